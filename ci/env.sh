@@ -1,0 +1,30 @@
+# Sourced by the ci/*.sh scripts: creates .venv if needed and installs the
+# package (release build of the extension) plus the test and lint tools.
+# Idempotent; safe to source repeatedly. Uses only PyPI and crates.io.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+export PYO3_PYTHON="$ROOT/.venv/bin/python"
+stamp=.venv/.lmcache-rc-tools
+want="maturin>=1.7,<2 pytest>=8 hypothesis>=6.100 ruff>=0.6 mypy>=1.11 numpy>=2.0"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "== installing tools: $want"
+  python -m pip install -q --upgrade pip
+  # shellcheck disable=SC2086
+  python -m pip install -q $want
+  echo "$want" > "$stamp"
+fi
+if ! command -v cargo >/dev/null; then
+  echo "error: cargo not found; install Rust (>= 1.85) first, e.g. from https://rustup.rs" >&2
+  exit 1
+fi
+echo "== building lmcache_rc (maturin develop --release)"
+maturin develop --release --quiet >/tmp/lmcache-rc-maturin.log 2>&1 || { cat /tmp/lmcache-rc-maturin.log >&2; exit 1; }
+python -c "import lmcache_rc" || { echo "error: lmcache_rc failed to import after build" >&2; exit 1; }

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Lint everything: Rust formatting and clippy, Python ruff and mypy --strict,
+# and the _native.pyi stubs against the built extension. Fails on any finding.
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "== ruff"
+ruff check lmcache_rc tests_py ci
+ruff format --check lmcache_rc tests_py ci
+echo "== mypy --strict"
+mypy --strict lmcache_rc
+echo "== stubtest (lmcache_rc/_native.pyi vs the built module)"
+python -m mypy.stubtest lmcache_rc._native --allowlist ci/stubtest-allowlist.txt
+echo "lint: clean"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: from a fresh clone, set up .venv, build, lint and
+# run every test (Rust and Python). Exit status is non-zero on any failure.
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+bash ci/lint.sh
+echo "== cargo test (core crate: unit tests + tests_rs)"
+cargo test -p lmcache-rc-core
+echo "== pytest"
+python -m pytest tests_py -q -p no:cacheprovider

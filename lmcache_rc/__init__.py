@@ -1,0 +1,33 @@
+"""lmcache-rc: atomic, deduplicated recurrent-model checkpoints for hybrid LLMs.
+
+The public API is re-exported here (``import lmcache_rc as rc``):
+
+- identity: :func:`checkpoint_namespace`, :class:`TokenRoots`, :class:`Prefix`,
+  :func:`checkpoint_generation`, :class:`Manifest`;
+- errors: :mod:`lmcache_rc.errors`.
+
+Everything heavy runs in the Rust extension ``lmcache_rc._native`` with the GIL
+released; see ``docs/architecture.md`` for the map of the system.
+"""
+
+from __future__ import annotations
+
+from lmcache_rc import errors
+from lmcache_rc._native import (
+    Manifest,
+    Prefix,
+    TokenRoots,
+    __version__,
+    checkpoint_generation,
+    checkpoint_namespace,
+)
+
+__all__ = [
+    "Manifest",
+    "Prefix",
+    "TokenRoots",
+    "__version__",
+    "checkpoint_generation",
+    "checkpoint_namespace",
+    "errors",
+]

@@ -1,0 +1,20 @@
+//! lmcache-rc core: everything that is not Python glue.
+//!
+//! Modules own one concern each (see `docs/architecture.md`):
+//! - [`identity`]: namespaces, token roots, prefixes, page keys, generation ids;
+//! - [`manifest`]: manifests and payload page-group validation;
+//! - [`json`]: CPython-compatible canonical JSON for identity hashing;
+//! - [`error`]: the crate's one error enum.
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod identity;
+pub mod json;
+pub mod manifest;
+
+pub use error::{Error, ErrorKind, Result};
+pub use identity::{Prefix, TokenRoots, checkpoint_generation, checkpoint_namespace};
+pub use manifest::{Manifest, PageGroup, PayloadSchema};
+
+/// Version of this crate (the package version).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,43 @@
+//! `lmcache_rc._native`: thin PyO3 bindings over `lmcache-rc-core`.
+//!
+//! This crate only converts types, releases the GIL around blocking work and
+//! maps errors (in `errors.rs`). Behaviour lives in the core crate.
+
+mod convert;
+mod errors;
+mod identity;
+
+use pyo3::prelude::*;
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Rust `log` records go to Python logging under the `lmcache_rc` logger.
+    // A second import (e.g. a reloaded module) keeps the first logger.
+    let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Loggers)?
+        .set_prefix("lmcache_rc")
+        .install();
+    m.add("__version__", lmcache_rc_core::VERSION)?;
+    m.add_function(wrap_pyfunction!(identity::checkpoint_namespace, m)?)?;
+    m.add_function(wrap_pyfunction!(identity::checkpoint_generation, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::_error_classes, m)?)?;
+    m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
+    m.add_class::<identity::PyPrefix>()?;
+    m.add_class::<identity::PyTokenRoots>()?;
+    m.add_class::<identity::PyManifest>()?;
+    Ok(())
+}
+
+/// Emits one Rust `log` record at `level` (tests check it reaches Python logging).
+#[pyfunction]
+fn _log_for_test(level: &str, message: &str) -> PyResult<()> {
+    let level = match level {
+        "error" => log::Level::Error,
+        "warning" => log::Level::Warn,
+        "info" => log::Level::Info,
+        "debug" => log::Level::Debug,
+        other => return Err(errors::invalid(format!("unknown log level {other:?}"))),
+    };
+    log::log!(target: "lmcache_rc_core::binding", level, "{message}");
+    Ok(())
+}
