@@ -4,6 +4,7 @@ The public API is re-exported here (``import lmcache_rc as rc``):
 
 - identity: :func:`checkpoint_namespace`, :class:`TokenRoots`, :class:`Prefix`,
   :func:`checkpoint_generation`, :class:`Manifest`;
+- the durable directory on its own: :class:`Directory`;
 - errors: :mod:`lmcache_rc.errors`.
 
 Everything heavy runs in the Rust extension ``lmcache_rc._native`` with the GIL
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from lmcache_rc import errors
 from lmcache_rc._native import (
+    Directory,
     Manifest,
     Prefix,
     TokenRoots,
@@ -23,6 +25,7 @@ from lmcache_rc._native import (
 )
 
 __all__ = [
+    "Directory",
     "Manifest",
     "Prefix",
     "TokenRoots",

@@ -5,3 +5,11 @@
 mod common;
 mod identity_properties;
 mod identity_vectors;
+mod index_crash;
+mod index_faults;
+mod index_format;
+mod index_model;
+mod index_publication;
+mod index_recency;
+mod index_reference;
+mod index_support;

@@ -3,12 +3,14 @@
 //! Modules own one concern each (see `docs/architecture.md`):
 //! - [`identity`]: namespaces, token roots, prefixes, page keys, generation ids;
 //! - [`manifest`]: manifests and payload page-group validation;
+//! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
 pub mod error;
 pub mod identity;
+pub mod index;
 pub mod json;
 pub mod manifest;
 

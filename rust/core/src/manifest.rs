@@ -100,22 +100,41 @@ fn schema_version(payload: &[u8]) -> Result<u8> {
             "checkpoint manifest must contain at most 16 MiB (and at least one byte)",
         ));
     }
-    let value: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
+    let unsupported = || {
+        Error::invalid(
+            "unsupported checkpoint manifest schema (the payload must be a JSON object \
+             with schema_version 1 or 2)",
+        )
+    };
+    // serde would also map a JSON array onto the struct: require an object.
+    if payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(unsupported());
+    }
+    let version: VersionProbe = serde_json::from_slice(payload).map_err(|e| {
         Error::invalid(format!(
             "checkpoint manifest payload is not valid JSON: {e}"
         ))
     })?;
-    match value
-        .get("schema_version")
-        .and_then(serde_json::Value::as_u64)
-    {
-        Some(1) if value.is_object() => Ok(1),
-        Some(2) if value.is_object() => Ok(2),
-        _ => Err(Error::invalid(
-            "unsupported checkpoint manifest schema (the payload must be a JSON object \
-             with schema_version 1 or 2)",
-        )),
+    match version.schema_version {
+        Some(VersionValue::Int(1)) => Ok(1),
+        Some(VersionValue::Int(2)) => Ok(2),
+        _ => Err(unsupported()),
     }
+}
+
+/// `{"schema_version": ...}` with every other field skipped.
+#[derive(serde::Deserialize)]
+struct VersionProbe {
+    #[serde(default)]
+    schema_version: Option<VersionValue>,
+}
+
+/// A schema_version value: only integers count (no bools, floats or strings).
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum VersionValue {
+    Int(u64),
+    Other(serde::de::IgnoredAny),
 }
 
 /// One storage group of a payload: a byte width and ordered logical positions.

@@ -4,6 +4,7 @@
 //! maps errors (in `errors.rs`). Behaviour lives in the core crate.
 
 mod convert;
+mod directory;
 mod errors;
 mod identity;
 
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;
     m.add_class::<identity::PyManifest>()?;
+    m.add_class::<directory::PyDirectory>()?;
     Ok(())
 }
 

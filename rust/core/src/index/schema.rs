@@ -1,0 +1,549 @@
+//! The on-disk format of the directory: SQLite tables, the tail text and tail
+//! hash helpers, and the open-time checks, migration and reconciliation.
+//!
+//! Tables (`spec/identity-and-index.md` §2.3; reference columns unchanged):
+//!
+//! ```sql
+//! CREATE TABLE checkpoints (
+//!     namespace TEXT NOT NULL, start_tokens INTEGER NOT NULL,
+//!     prefix_hash BLOB NOT NULL, tail BLOB NOT NULL, num_tokens INTEGER NOT NULL,
+//!     generation TEXT UNIQUE NOT NULL, world_size INTEGER NOT NULL,
+//!     payload BLOB NOT NULL, access_order INTEGER NOT NULL,
+//!     PRIMARY KEY (namespace, start_tokens, prefix_hash, tail));
+//! CREATE INDEX checkpoints_access_order ON checkpoints (access_order);
+//! CREATE TABLE checkpoint_tails (
+//!     generation TEXT PRIMARY KEY, namespace TEXT NOT NULL,
+//!     start_tokens INTEGER NOT NULL, prefix_hash BLOB NOT NULL,
+//!     tail_hash INTEGER NOT NULL,
+//!     -- lmcache-rc additions (format 2):
+//!     tail_len INTEGER, payload_bytes INTEGER NOT NULL DEFAULT 0,
+//!     durable INTEGER NOT NULL DEFAULT 0);
+//! CREATE INDEX checkpoint_tails_lookup
+//!     ON checkpoint_tails (namespace, start_tokens, prefix_hash, tail_hash);
+//! ```
+//!
+//! lmcache-rc's per-generation metadata (`tail_len`, `payload_bytes`,
+//! `durable`) lives in `checkpoint_tails`, whose rows are small: loading it at
+//! open never reads the large `tail`/`payload` blobs of `checkpoints`.
+//!
+//! Versions (`PRAGMA user_version`): 0 (new file, or a reference build that
+//! never set it), 1 (reference v5/v6) and 2 (lmcache-rc) are opened and end at
+//! 2; anything else is refused with [`Error::UnsupportedFormat`] before a
+//! single byte is written. A reference build refuses version 2 in turn
+//! ("unsupported checkpoint directory schema 2"), so it never writes rows
+//! that lack the lmcache-rc columns.
+
+use std::path::Path;
+
+use rusqlite::types::{Value, ValueRef};
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use crate::error::{Error, Result};
+use crate::manifest::{Manifest, PayloadSchema};
+
+/// The directory format version this build writes (`PRAGMA user_version`).
+pub const FORMAT_VERSION: i64 = 2;
+
+/// Base of the polynomial tail hash.
+pub const TAIL_HASH_BASE: u64 = 1_000_003;
+/// Modulus of the polynomial tail hash (the Mersenne prime 2^61 − 1).
+pub const TAIL_HASH_MODULUS: u64 = (1 << 61) - 1;
+
+/// First bytes of every SQLite 3 database file.
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+
+/// Maps rusqlite failures into [`Error::Database`].
+pub(super) trait OrDb<T> {
+    /// Converts the error, if any.
+    fn db(self) -> Result<T>;
+}
+
+impl<T> OrDb<T> for rusqlite::Result<T> {
+    fn db(self) -> Result<T> {
+        self.map_err(|e| Error::Database(e.to_string()))
+    }
+}
+
+/// One step of the tail hash: `h · 1000003 + t + 1 (mod 2^61 − 1)`.
+#[inline]
+pub(super) fn tail_hash_step(h: u64, token: u32) -> u64 {
+    let v = u128::from(h) * u128::from(TAIL_HASH_BASE) + u128::from(token) + 1;
+    (v % u128::from(TAIL_HASH_MODULUS)) as u64
+}
+
+/// The polynomial hash of a whole tail, as stored in `checkpoint_tails.tail_hash`.
+pub fn tail_hash(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(0, |h, &t| tail_hash_step(h, t))
+}
+
+/// Hashes of every prefix of `tokens` (`[h_1, ..., h_len]`).
+pub fn tail_prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h = 0;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = tail_hash_step(h, t);
+            h
+        })
+        .collect()
+}
+
+/// The stored tail text: a JSON array with Python's default separators,
+/// e.g. `[1, 2, 3]` (stored as a BLOB of its UTF-8 bytes).
+pub fn tail_text(tokens: &[u32]) -> String {
+    let mut out = Vec::with_capacity(2 + tokens.len() * 9);
+    out.push(b'[');
+    for (i, &t) in tokens.iter().enumerate() {
+        if i > 0 {
+            out.extend_from_slice(b", ");
+        }
+        push_decimal(&mut out, t);
+    }
+    out.push(b']');
+    // Only ASCII digits, brackets, commas and spaces were written.
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// Appends the decimal digits of `n`.
+fn push_decimal(out: &mut Vec<u8>, mut n: u32) {
+    let mut digits = [0u8; 10];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
+}
+
+/// True when `stored` is exactly [`tail_text`] of `tokens` (no allocation).
+pub(super) fn tail_text_equals(stored: &[u8], tokens: &[u32]) -> bool {
+    let mut rest = match stored.strip_prefix(b"[") {
+        Some(r) => r,
+        None => return false,
+    };
+    let mut digits = [0u8; 10];
+    for (i, &t) in tokens.iter().enumerate() {
+        if i > 0 {
+            match rest.strip_prefix(b", ") {
+                Some(r) => rest = r,
+                None => return false,
+            }
+        }
+        let mut n = t;
+        let mut k = digits.len();
+        loop {
+            k -= 1;
+            digits[k] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        match rest.strip_prefix(&digits[k..]) {
+            Some(r) => rest = r,
+            None => return false,
+        }
+    }
+    rest == b"]"
+}
+
+/// Parses a stored tail text (`[1, 2, 3]`; whitespace after commas optional).
+/// `None` when the text is not an array of non-negative 32-bit integers.
+pub(super) fn parse_tail_text(bytes: &[u8]) -> Option<Vec<u32>> {
+    let text = std::str::from_utf8(bytes).ok()?.trim();
+    let inner = text.strip_prefix('[')?.strip_suffix(']')?.trim();
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    inner
+        .split(',')
+        .map(|part| {
+            let part = part.trim();
+            if part.is_empty() || !part.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            part.parse::<u32>().ok()
+        })
+        .collect()
+}
+
+/// Bytes of every rank's payload objects: `bytes_per_rank · world_size` when
+/// the payload describes page groups, else 0.
+pub(super) fn payload_bytes(world_size: u32, payload: &[u8]) -> u64 {
+    match PayloadSchema::parse(payload) {
+        Ok(schema) => schema
+            .bytes_per_rank()
+            .saturating_mul(u64::from(world_size)),
+        Err(_) => 0,
+    }
+}
+
+/// Bytes of a manifest's payload objects (see [`payload_bytes`]).
+pub(super) fn manifest_payload_bytes(manifest: &Manifest) -> u64 {
+    payload_bytes(manifest.world_size(), manifest.payload())
+}
+
+/// Reads a TEXT or BLOB column as bytes.
+pub(super) fn value_bytes(value: ValueRef<'_>) -> Option<&[u8]> {
+    match value {
+        ValueRef::Blob(b) | ValueRef::Text(b) => Some(b),
+        _ => None,
+    }
+}
+
+/// Refuses an existing non-SQLite file without touching it.
+fn check_header(path: &Path) -> Result<()> {
+    use std::io::Read as _;
+    let mut file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(format!("open {}", path.display()), e)),
+    };
+    let mut head = Vec::with_capacity(16);
+    (&mut file)
+        .take(16)
+        .read_to_end(&mut head)
+        .map_err(|e| Error::io(format!("read {}", path.display()), e))?;
+    if head.is_empty() || head.as_slice() == SQLITE_MAGIC {
+        return Ok(());
+    }
+    Err(Error::UnsupportedFormat(format!(
+        "checkpoint directory {} is not a SQLite database (it was left untouched)",
+        path.display()
+    )))
+}
+
+/// Describes where the directory lives, for messages.
+pub(super) fn describe(path: Option<&Path>) -> String {
+    match path {
+        Some(p) => p.display().to_string(),
+        None => "(in memory)".to_string(),
+    }
+}
+
+/// Opens the connection, refuses unknown formats and sets the journal.
+pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
+    let name = describe(path);
+    let conn = match path {
+        Some(p) => {
+            check_header(p)?;
+            Connection::open(p).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?
+        }
+        None => Connection::open_in_memory().db()?,
+    };
+    let not_db = |e: rusqlite::Error| match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::NotADatabase) => Error::UnsupportedFormat(format!(
+            "checkpoint directory {name} is not a SQLite database or is corrupt: {e}"
+        )),
+        _ => Error::Database(format!("{name}: {e}")),
+    };
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(not_db)?;
+    if !(0..=FORMAT_VERSION).contains(&version) {
+        return Err(Error::UnsupportedFormat(format!(
+            "unsupported checkpoint directory schema {version} in {name}: this build reads \
+             versions 0..={FORMAT_VERSION} (the file was written by a newer lmcache-rc; \
+             it was left untouched)"
+        )));
+    }
+    if path.is_some() {
+        let mode: String = conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .map_err(not_db)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(Error::Database(format!(
+                "{name}: cannot switch to WAL journal (got {mode})"
+            )));
+        }
+    }
+    // FULL: a commit is on disk when it returns. The page cache (32 MiB at
+    // most) keeps the index pages of a large directory in memory.
+    conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA cache_size=-32768")
+        .map_err(not_db)?;
+    conn.busy_timeout(std::time::Duration::from_secs(10)).db()?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+const CREATE_TABLES: &str = "
+CREATE TABLE IF NOT EXISTS checkpoints (
+    namespace TEXT NOT NULL,
+    start_tokens INTEGER NOT NULL,
+    prefix_hash BLOB NOT NULL,
+    tail BLOB NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    generation TEXT UNIQUE NOT NULL,
+    world_size INTEGER NOT NULL,
+    payload BLOB NOT NULL,
+    access_order INTEGER NOT NULL,
+    PRIMARY KEY (namespace, start_tokens, prefix_hash, tail)
+);
+CREATE TABLE IF NOT EXISTS checkpoint_tails (
+    generation TEXT PRIMARY KEY,
+    namespace TEXT NOT NULL,
+    start_tokens INTEGER NOT NULL,
+    prefix_hash BLOB NOT NULL,
+    tail_hash INTEGER NOT NULL,
+    tail_len INTEGER,
+    payload_bytes INTEGER NOT NULL DEFAULT 0,
+    durable INTEGER NOT NULL DEFAULT 0
+);
+";
+
+const CREATE_INDEXES: &str = "
+CREATE INDEX IF NOT EXISTS checkpoints_access_order ON checkpoints (access_order);
+CREATE INDEX IF NOT EXISTS checkpoint_tails_lookup
+    ON checkpoint_tails (namespace, start_tokens, prefix_hash, tail_hash);
+";
+
+/// Columns lmcache-rc adds to a reference `checkpoint_tails` table.
+const ADDED_TAIL_COLUMNS: [(&str, &str); 3] = [
+    ("tail_len", "INTEGER"),
+    ("payload_bytes", "INTEGER NOT NULL DEFAULT 0"),
+    ("durable", "INTEGER NOT NULL DEFAULT 0"),
+];
+
+/// What reconciliation changed (logged at open).
+#[derive(Debug, Default)]
+pub(super) struct Reconciled {
+    pub dangling_tails: usize,
+    pub backfilled_tails: usize,
+    pub migrated_tails: usize,
+}
+
+/// The hash stored for a tail, after the (test-only) hook.
+pub(super) fn stored_hash(tokens: &[u32], hook: Option<fn(u64) -> u64>) -> u64 {
+    let h = tail_hash(tokens);
+    hook.map_or(h, |f| f(h))
+}
+
+/// Tail length, hash and payload bytes for a stored row; an unparseable tail
+/// gets length 0 and hash 0, which no lookup ever probes (the row stays
+/// counted and evictable, but is never found).
+fn derived(
+    tail: &[u8],
+    world_size: i64,
+    payload: &[u8],
+    hook: Option<fn(u64) -> u64>,
+) -> (i64, i64, i64) {
+    let (len, hash) = match parse_tail_text(tail) {
+        Some(tokens) if !tokens.is_empty() => {
+            (tokens.len() as i64, stored_hash(&tokens, hook) as i64)
+        }
+        _ => (0, 0),
+    };
+    let world = u32::try_from(world_size).unwrap_or(0);
+    let bytes = payload_bytes(world, payload).min(i64::MAX as u64) as i64;
+    (len, hash, bytes)
+}
+
+/// Creates missing tables, columns and indexes, reconciles `checkpoint_tails`
+/// with `checkpoints` and sets the format version, in one transaction.
+pub(super) fn reconcile(conn: &mut Connection, hook: Option<fn(u64) -> u64>) -> Result<Reconciled> {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .db()?;
+    tx.execute_batch(CREATE_TABLES).db()?;
+    let mut present = Vec::new();
+    {
+        let mut stmt = tx.prepare("PRAGMA table_info(checkpoint_tails)").db()?;
+        let mut rows = stmt.query([]).db()?;
+        while let Some(row) = rows.next().db()? {
+            present.push(row.get::<_, String>(1).db()?);
+        }
+    }
+    for (column, decl) in ADDED_TAIL_COLUMNS {
+        if !present.iter().any(|c| c.eq_ignore_ascii_case(column)) {
+            tx.execute_batch(&format!(
+                "ALTER TABLE checkpoint_tails ADD COLUMN {column} {decl}"
+            ))
+            .db()?;
+        }
+    }
+    let mut report = Reconciled {
+        dangling_tails: tx
+            .execute(
+                "DELETE FROM checkpoint_tails WHERE generation NOT IN \
+                 (SELECT generation FROM checkpoints)",
+                [],
+            )
+            .db()?,
+        ..Reconciled::default()
+    };
+    // Rows lacking a tail row (files of builds that knew only `checkpoints`).
+    // Found through the covering generation index first, so the large rows
+    // are read only when one actually lacks its tail row.
+    let missing: Vec<i64> = {
+        let mut select = tx
+            .prepare(
+                "SELECT c.rowid FROM checkpoints c WHERE NOT EXISTS \
+                 (SELECT 1 FROM checkpoint_tails t WHERE t.generation = c.generation)",
+            )
+            .db()?;
+        select
+            .query_map([], |r| r.get(0))
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()?
+    };
+    if !missing.is_empty() {
+        let mut select = tx
+            .prepare(
+                "SELECT generation, namespace, start_tokens, prefix_hash, tail, world_size, \
+                 payload FROM checkpoints WHERE rowid = ?1",
+            )
+            .db()?;
+        let mut insert = tx
+            .prepare(
+                "INSERT INTO checkpoint_tails (generation, namespace, start_tokens, prefix_hash, \
+                 tail_hash, tail_len, payload_bytes, durable) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 0)",
+            )
+            .db()?;
+        for rowid in missing {
+            let mut rows = select.query(params![rowid]).db()?;
+            let Some(row) = rows.next().db()? else {
+                continue;
+            };
+            let tail = value_bytes(row.get_ref(4).db()?).unwrap_or_default();
+            let payload = value_bytes(row.get_ref(6).db()?).unwrap_or_default();
+            let (len, hash, bytes) = derived(tail, row.get(5).db()?, payload, hook);
+            insert
+                .execute(params![
+                    row.get::<_, Value>(0).db()?,
+                    row.get::<_, Value>(1).db()?,
+                    row.get::<_, Value>(2).db()?,
+                    row.get::<_, Value>(3).db()?,
+                    hash,
+                    len,
+                    bytes
+                ])
+                .db()?;
+            report.backfilled_tails += 1;
+        }
+    }
+    // Tail rows written by the reference (no lmcache-rc columns yet).
+    {
+        let mut select = tx
+            .prepare(
+                "SELECT t.generation, c.tail, c.world_size, c.payload FROM checkpoint_tails t \
+                 JOIN checkpoints c ON c.generation = t.generation WHERE t.tail_len IS NULL",
+            )
+            .db()?;
+        let mut update = tx
+            .prepare(
+                "UPDATE checkpoint_tails SET tail_hash = ?2, tail_len = ?3, payload_bytes = ?4 \
+                 WHERE generation = ?1",
+            )
+            .db()?;
+        let mut rows = select.query([]).db()?;
+        while let Some(row) = rows.next().db()? {
+            let tail = value_bytes(row.get_ref(1).db()?).unwrap_or_default();
+            let payload = value_bytes(row.get_ref(3).db()?).unwrap_or_default();
+            let (len, hash, bytes) = derived(tail, row.get(2).db()?, payload, hook);
+            update
+                .execute(params![row.get::<_, Value>(0).db()?, hash, len, bytes])
+                .db()?;
+            report.migrated_tails += 1;
+        }
+    }
+    tx.execute_batch(CREATE_INDEXES).db()?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).db()?;
+    if version != FORMAT_VERSION {
+        tx.execute_batch(&format!("PRAGMA user_version = {FORMAT_VERSION}"))
+            .db()?;
+    }
+    tx.commit().db()?;
+    Ok(report)
+}
+
+/// Copies the write-ahead log into the database and truncates it.
+pub(super) fn checkpoint_wal(conn: &Connection) -> Result<()> {
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .db()
+}
+
+/// One row of the open-time load: everything the in-memory lookup needs.
+pub(super) struct LoadedRow {
+    pub rowid: i64,
+    pub namespace: Vec<u8>,
+    pub start_tokens: i64,
+    pub prefix_hash: Vec<u8>,
+    pub tail_hash: i64,
+    pub tail_len: i64,
+    pub payload_bytes: i64,
+    pub durable: bool,
+}
+
+/// Reads every published generation's lookup metadata (small rows only:
+/// `checkpoint_tails` joined to `checkpoints` through its generation index).
+pub(super) fn load(conn: &Connection, mut each: impl FnMut(LoadedRow)) -> Result<i64> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT c.rowid, t.namespace, t.start_tokens, t.prefix_hash, t.tail_hash, \
+             t.tail_len, t.payload_bytes, t.durable FROM checkpoint_tails t \
+             JOIN checkpoints c ON c.generation = t.generation",
+        )
+        .db()?;
+    let mut rows = stmt.query([]).db()?;
+    while let Some(row) = rows.next().db()? {
+        each(LoadedRow {
+            rowid: row.get(0).db()?,
+            namespace: value_bytes(row.get_ref(1).db()?)
+                .unwrap_or_default()
+                .to_vec(),
+            start_tokens: row.get(2).db()?,
+            prefix_hash: value_bytes(row.get_ref(3).db()?)
+                .unwrap_or_default()
+                .to_vec(),
+            tail_hash: row.get(4).db()?,
+            tail_len: row.get::<_, Option<i64>>(5).db()?.unwrap_or(0),
+            payload_bytes: row.get(6).db()?,
+            durable: row.get::<_, i64>(7).db()? != 0,
+        });
+    }
+    let counter: Option<i64> = conn
+        .query_row("SELECT max(access_order) FROM checkpoints", [], |r| {
+            r.get(0)
+        })
+        .optional()
+        .db()?
+        .flatten();
+    Ok(counter.unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_text_round_trips_and_compares_without_allocating() {
+        for tokens in [
+            &[7u32][..],
+            &[1, 2, 3],
+            &[0, 10, 2_147_483_647],
+            &[4_294_967_295, 0],
+        ] {
+            let text = tail_text(tokens);
+            assert_eq!(parse_tail_text(text.as_bytes()).as_deref(), Some(tokens));
+            assert!(tail_text_equals(text.as_bytes(), tokens));
+            assert!(!tail_text_equals(
+                text.as_bytes(),
+                &tokens[..tokens.len() - 1]
+            ));
+        }
+        assert_eq!(tail_text(&[1, 2, 3]), "[1, 2, 3]");
+        assert!(!tail_text_equals(b"[1, 2]", &[1, 20]));
+        assert!(!tail_text_equals(b"[12]", &[1]));
+        assert!(!tail_text_equals(b"[1,2]", &[1, 2]));
+        assert!(!tail_text_equals(b"[1, 2] ", &[1, 2]));
+        assert_eq!(parse_tail_text(b"[1,2]"), Some(vec![1, 2]));
+        assert_eq!(parse_tail_text(b"[1, -2]"), None);
+        assert_eq!(parse_tail_text(b"[1.5]"), None);
+        assert_eq!(parse_tail_text(b"1, 2"), None);
+    }
+}

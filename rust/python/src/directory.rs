@@ -1,0 +1,185 @@
+//! `rc.Directory`: the durable checkpoint directory on its own (DESIGN §6).
+//! Every method runs with the GIL released (they all touch SQLite).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use lmcache_rc_core::index::{Directory, DirectoryConfig};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyList};
+
+use crate::errors::{IntoPyResult, invalid};
+use crate::identity::{PyManifest, PyPrefix};
+
+/// Reads a capacity: a positive int (bool and float refused, as the reference does).
+fn capacity(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let ok = !value.is_instance_of::<PyBool>() && value.is_instance_of::<pyo3::types::PyInt>();
+    match value.extract::<u64>() {
+        Ok(v) if ok && v > 0 => Ok(v),
+        _ => Err(invalid(
+            "checkpoint directory capacities must be positive integers",
+        )),
+    }
+}
+
+fn prefixes(roots: &Bound<'_, PyAny>) -> PyResult<Vec<lmcache_rc_core::Prefix>> {
+    roots
+        .try_iter()?
+        .map(|r| {
+            let r = r?;
+            let p = r.cast::<PyPrefix>().map_err(|_| {
+                crate::errors::invalid_type("find takes an iterable of lmcache_rc.Prefix")
+            })?;
+            Ok(p.get().inner.clone())
+        })
+        .collect()
+}
+
+/// The directory of published generations (path None = in memory).
+#[pyclass(name = "Directory", module = "lmcache_rc._native", frozen)]
+pub struct PyDirectory {
+    inner: Directory,
+}
+
+#[pymethods]
+impl PyDirectory {
+    #[new]
+    #[pyo3(signature = (path = None, *, max_entries = None, max_pending = None, max_bytes = None))]
+    fn new(
+        py: Python<'_>,
+        path: Option<PathBuf>,
+        max_entries: Option<&Bound<'_, PyAny>>,
+        max_pending: Option<&Bound<'_, PyAny>>,
+        max_bytes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let mut config = DirectoryConfig::default();
+        if let Some(v) = max_entries {
+            config.max_entries = capacity(v)?;
+        }
+        if let Some(v) = max_pending {
+            config.max_pending = capacity(v)?;
+        }
+        if let Some(v) = max_bytes {
+            config.max_bytes = Some(capacity(v)?);
+        }
+        let inner = py
+            .detach(|| Directory::open(path.as_deref(), config))
+            .py()?;
+        Ok(PyDirectory { inner })
+    }
+
+    /// Stages a manifest; False = identical one pending/published or no capacity.
+    fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<bool> {
+        py.detach(|| self.inner.begin(&manifest.inner)).py()
+    }
+
+    /// Records that `rank` committed; True only for the call that published.
+    fn acknowledge(&self, py: Python<'_>, generation: &str, rank: i64) -> PyResult<bool> {
+        let rank = u32::try_from(rank)
+            .map_err(|_| invalid("checkpoint acknowledgement rank is out of range"))?;
+        py.detach(|| self.inner.acknowledge(generation, rank))
+            .py()
+            .map(|p| p.published)
+    }
+
+    /// Drops a pending generation (unknown ids are ignored).
+    fn abort(&self, py: Python<'_>, generation: &str) -> PyResult<()> {
+        py.detach(|| self.inner.abort(generation)).py().map(|_| ())
+    }
+
+    /// Drops pending generations older than `seconds`; returns them.
+    fn abort_stale(&self, py: Python<'_>, seconds: f64) -> PyResult<Vec<String>> {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return Err(invalid(
+                "abort_stale takes a non-negative number of seconds",
+            ));
+        }
+        py.detach(|| self.inner.abort_stale(Duration::from_secs_f64(seconds)))
+            .py()
+    }
+
+    /// True iff this identical manifest is pending.
+    fn is_pending(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<bool> {
+        py.detach(|| self.inner.is_pending(&manifest.inner)).py()
+    }
+
+    /// The longest published generation matching the roots, or None.
+    fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Option<PyManifest>> {
+        let roots = prefixes(roots)?;
+        py.detach(|| self.inner.find(&roots))
+            .py()
+            .map(|m| m.map(PyManifest::wrap))
+    }
+
+    /// Published manifest of a generation, or None (no recency refresh).
+    fn get(&self, py: Python<'_>, generation: &str) -> PyResult<Option<PyManifest>> {
+        py.detach(|| self.inner.get(generation))
+            .py()
+            .map(|m| m.map(PyManifest::wrap))
+    }
+
+    /// Published proper prefixes of the query sequence, shortest first.
+    fn ancestors(
+        &self,
+        py: Python<'_>,
+        roots: &Bound<'_, PyAny>,
+        below_tokens: u64,
+    ) -> PyResult<Vec<PyManifest>> {
+        let roots = prefixes(roots)?;
+        py.detach(|| self.inner.ancestors(&roots, below_tokens))
+            .py()
+            .map(|ms| ms.into_iter().map(PyManifest::wrap).collect())
+    }
+
+    /// Delists one generation (never its replacement); False if unknown.
+    fn invalidate(&self, py: Python<'_>, generation: &str) -> PyResult<bool> {
+        py.detach(|| self.inner.invalidate(generation)).py()
+    }
+
+    /// Published generations with durability and bytes, ordered by id.
+    #[pyo3(signature = (after = None, limit = 1000))]
+    fn list<'py>(
+        &self,
+        py: Python<'py>,
+        after: Option<String>,
+        limit: usize,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let page = py
+            .detach(|| self.inner.list(after.as_deref(), limit))
+            .py()?;
+        let out = PyList::empty(py);
+        for g in page.generations {
+            let d = PyDict::new(py);
+            d.set_item("manifest", PyManifest::wrap(g.manifest))?;
+            d.set_item("durable", g.durable)?;
+            d.set_item("payload_bytes", g.payload_bytes)?;
+            d.set_item("access_order", g.access_order)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Writes recency stamps kept in memory; returns how many.
+    fn flush_recency(&self, py: Python<'_>) -> PyResult<usize> {
+        py.detach(|| self.inner.flush_recency()).py()
+    }
+
+    /// Counts: published_generations, pending_generations, published_bytes, ...
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.inner.status()).py()?;
+        let d = PyDict::new(py);
+        d.set_item("published_generations", s.published_generations)?;
+        d.set_item("pending_generations", s.pending_generations)?;
+        d.set_item("published_bytes", s.published_bytes)?;
+        d.set_item("durable_generations", s.durable_generations)?;
+        d.set_item("dirty_recency", s.dirty_recency)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("invalid_rows", s.invalid_rows)?;
+        Ok(d)
+    }
+
+    /// Flushes recency, drops pending generations, closes the database.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.close()).py()
+    }
+}
