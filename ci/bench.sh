@@ -5,11 +5,18 @@ set -euo pipefail
 source "$(dirname "$0")/env.sh"
 quick=""
 [ "${1:-}" = "--quick" ] && quick="--quick"
-echo "== identity (Rust): token roots vs raw SHA-256"
-cargo run --release --quiet -p lmcache-rc-core --example identity_bench
+run_example() { # name, title, args...
+  local name=$1 title=$2; shift 2
+  if [ -f "rust/core/examples/$name.rs" ]; then
+    echo "== $title"
+    cargo run --release --quiet -p lmcache-rc-core --example "$name" -- "$@"
+  fi
+}
+run_example identity_bench "identity (Rust): token roots vs raw SHA-256"
 echo "== identity (Python): TokenRoots.build vs hashlib"
 python ci/bench_identity.py
-if [ -f rust/core/examples/directory_bench.rs ]; then
-  echo "== directory: find / publish vs raw SQLite"
-  cargo run --release --quiet -p lmcache-rc-core --example directory_bench -- $quick
-fi
+run_example directory_bench "directory: find / publish vs raw SQLite" $quick
+run_example l2_bench "L2 tier: durable writes / verified cold reads vs raw file I/O"
+echo "== service: store + retrieve through lease slots vs memcpy"
+python ci/bench_service.py
+run_example rpc_bench "RPC round trip vs raw Unix-socket ping-pong" $quick

@@ -5,6 +5,8 @@ The public API is re-exported here (``import lmcache_rc as rc``):
 - identity: :func:`checkpoint_namespace`, :class:`TokenRoots`, :class:`Prefix`,
   :func:`checkpoint_generation`, :class:`Manifest`;
 - the durable directory on its own: :class:`Directory`;
+- the checkpoint service in process: :class:`CheckpointService` configured by
+  :class:`ServerConfig`, answering :class:`Lease` objects;
 - errors: :mod:`lmcache_rc.errors`.
 
 Everything heavy runs in the Rust extension ``lmcache_rc._native`` with the GIL
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from lmcache_rc import errors
 from lmcache_rc._native import (
+    CheckpointService,
     Directory,
+    Lease,
     Manifest,
     Prefix,
     TokenRoots,
@@ -23,11 +27,15 @@ from lmcache_rc._native import (
     checkpoint_generation,
     checkpoint_namespace,
 )
+from lmcache_rc.config import ServerConfig
 
 __all__ = [
+    "CheckpointService",
     "Directory",
+    "Lease",
     "Manifest",
     "Prefix",
+    "ServerConfig",
     "TokenRoots",
     "__version__",
     "checkpoint_generation",

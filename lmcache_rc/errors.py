@@ -14,12 +14,16 @@ __all__ = [
     "CorruptData",
     "DatabaseError",
     "GenerationConflict",
+    "InternalError",
     "InvalidInput",
     "InvalidType",
     "LeasesLive",
     "NotFound",
     "OutOfSpace",
+    "ProtocolError",
+    "RpcTimeout",
     "StorageIOError",
+    "Unavailable",
     "UnsupportedFormat",
 ]
 
@@ -74,3 +78,22 @@ class NotFound(CheckpointError, LookupError):
 
 class LeasesLive(CheckpointError):
     """Refused while worker copies hold leases (forced clear, close): finish them first."""
+
+
+class Unavailable(CheckpointError, ConnectionError):
+    """The sidecar cannot be reached: no server at the socket, the connection
+    was lost (e.g. the server restarted during the call; its outcome is then
+    unknown) or the server is shutting down. The next call reconnects."""
+
+
+class ProtocolError(CheckpointError):
+    """A peer broke the wire protocol: a malformed, oversize or unexpected
+    frame, or an unsupported protocol version (upgrade the older side)."""
+
+
+class RpcTimeout(CheckpointError, TimeoutError):
+    """An RPC got no reply in time. The server may still carry the call out."""
+
+
+class InternalError(CheckpointError):
+    """A bug: the server failed while handling a request (it keeps serving)."""

@@ -53,6 +53,28 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The sidecar cannot be reached: no server at the socket, the connection
+    /// was lost (e.g. the server restarted during the call) or it is shutting down.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A peer broke the wire protocol: a malformed, oversize or unexpected
+    /// frame, or an unsupported protocol version.
+    #[error("{0}")]
+    Protocol(String),
+    /// An RPC got no reply in time (the server may still carry it out).
+    #[error("{0}")]
+    Timeout(String),
+    /// A bug: the server caught a panic while handling a request.
+    #[error("{0}")]
+    Internal(String),
+    /// An error the server replied with over RPC: its kind and message as sent.
+    #[error("{message}")]
+    Remote {
+        /// The kind the server reported.
+        kind: ErrorKind,
+        /// The server's message.
+        message: String,
+    },
 }
 
 impl Error {
@@ -70,6 +92,11 @@ impl Error {
             Error::NotFound(_) => ErrorKind::NotFound,
             Error::LeasesLive(_) => ErrorKind::LeasesLive,
             Error::Io { .. } => ErrorKind::Io,
+            Error::Unavailable(_) => ErrorKind::Unavailable,
+            Error::Protocol(_) => ErrorKind::Protocol,
+            Error::Timeout(_) => ErrorKind::Timeout,
+            Error::Internal(_) => ErrorKind::Internal,
+            Error::Remote { kind, .. } => *kind,
         }
     }
 
@@ -113,6 +140,14 @@ pub enum ErrorKind {
     LeasesLive,
     /// See [`Error::Io`].
     Io,
+    /// See [`Error::Unavailable`].
+    Unavailable,
+    /// See [`Error::Protocol`].
+    Protocol,
+    /// See [`Error::Timeout`].
+    Timeout,
+    /// See [`Error::Internal`].
+    Internal,
 }
 
 impl ErrorKind {
@@ -130,7 +165,37 @@ impl ErrorKind {
             ErrorKind::NotFound => "NotFound",
             ErrorKind::LeasesLive => "LeasesLive",
             ErrorKind::Io => "Io",
+            ErrorKind::Unavailable => "Unavailable",
+            ErrorKind::Protocol => "Protocol",
+            ErrorKind::Timeout => "Timeout",
+            ErrorKind::Internal => "Internal",
         }
+    }
+}
+
+impl ErrorKind {
+    /// Every kind, in declaration order (wire decoding and binding tables).
+    pub const ALL: [ErrorKind; 15] = [
+        ErrorKind::InvalidInput,
+        ErrorKind::InvalidType,
+        ErrorKind::GenerationConflict,
+        ErrorKind::UnsupportedFormat,
+        ErrorKind::Closed,
+        ErrorKind::Database,
+        ErrorKind::Corrupt,
+        ErrorKind::OutOfSpace,
+        ErrorKind::NotFound,
+        ErrorKind::LeasesLive,
+        ErrorKind::Io,
+        ErrorKind::Unavailable,
+        ErrorKind::Protocol,
+        ErrorKind::Timeout,
+        ErrorKind::Internal,
+    ];
+
+    /// The kind whose [`as_str`](Self::as_str) is `name` (None if unknown).
+    pub fn from_name(name: &str) -> Option<ErrorKind> {
+        Self::ALL.into_iter().find(|k| k.as_str() == name)
     }
 }
 

@@ -5,6 +5,8 @@
 //! - [`manifest`]: manifests and payload page-group validation;
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
+//! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
+//! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
@@ -13,6 +15,8 @@ pub mod identity;
 pub mod index;
 pub mod json;
 pub mod manifest;
+pub mod service;
+pub mod store;
 
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{Prefix, TokenRoots, checkpoint_generation, checkpoint_namespace};

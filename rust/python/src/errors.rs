@@ -22,6 +22,10 @@ pub fn class_name(kind: ErrorKind) -> &'static str {
         ErrorKind::NotFound => "NotFound",
         ErrorKind::LeasesLive => "LeasesLive",
         ErrorKind::Io => "StorageIOError",
+        ErrorKind::Unavailable => "Unavailable",
+        ErrorKind::Protocol => "ProtocolError",
+        ErrorKind::Timeout => "RpcTimeout",
+        ErrorKind::Internal => "InternalError",
         _ => "CheckpointError",
     }
 }
@@ -71,20 +75,8 @@ pub fn invalid_type(message: impl Into<String>) -> PyErr {
 /// Exposes the mapping to tests: `(kind name, class name)` for every kind.
 #[pyfunction]
 pub fn _error_classes() -> Vec<(&'static str, &'static str)> {
-    [
-        ErrorKind::InvalidInput,
-        ErrorKind::InvalidType,
-        ErrorKind::GenerationConflict,
-        ErrorKind::UnsupportedFormat,
-        ErrorKind::Closed,
-        ErrorKind::Database,
-        ErrorKind::Corrupt,
-        ErrorKind::OutOfSpace,
-        ErrorKind::NotFound,
-        ErrorKind::LeasesLive,
-        ErrorKind::Io,
-    ]
-    .into_iter()
-    .map(|k| (k.as_str(), class_name(k)))
-    .collect()
+    ErrorKind::ALL
+        .into_iter()
+        .map(|k| (k.as_str(), class_name(k)))
+        .collect()
 }

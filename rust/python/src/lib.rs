@@ -7,6 +7,7 @@ mod convert;
 mod directory;
 mod errors;
 mod identity;
+mod service;
 
 use pyo3::prelude::*;
 
@@ -27,6 +28,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<identity::PyTokenRoots>()?;
     m.add_class::<identity::PyManifest>()?;
     m.add_class::<directory::PyDirectory>()?;
+    m.add_class::<service::PyCheckpointService>()?;
+    m.add_class::<service::PyLease>()?;
+    m.add_class::<service::SlotView>()?;
     Ok(())
 }
 

@@ -1,0 +1,480 @@
+//! The in-memory state of the checkpoint service: the object table with its
+//! reference counts, the L1 LRU, leases and pending generations.
+//!
+//! Everything here runs under the service's one mutex and never blocks: no
+//! file I/O, no SQLite, no copies. Operations that need those return what to do
+//! and the caller performs it after unlocking.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::store::ObjectKey;
+use crate::store::alloc::{Slot as AllocSlot, SlotAllocator};
+
+/// L1 state of an object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L1 {
+    /// Not resident in the SHM pool.
+    Absent,
+    /// A store lease is copying into its slot.
+    Writing(u64),
+    /// An L2 read is filling its slot.
+    Loading,
+    /// Committed bytes, readable.
+    Ready,
+}
+
+/// L2 state of an object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L2 {
+    /// No file.
+    Absent,
+    /// A durable write is queued or running.
+    Queued,
+    /// On disk, fsynced, verified on every read.
+    Durable,
+}
+
+/// One payload object.
+#[derive(Debug)]
+pub struct Obj {
+    /// Bytes of the page.
+    pub page_bytes: u64,
+    /// Its L1 slot, when resident (or being written/loaded).
+    pub slot: Option<AllocSlot>,
+    /// L1 state.
+    pub l1: L1,
+    /// L2 state.
+    pub l2: L2,
+    /// Listed generations naming it.
+    pub refs: u32,
+    /// Pending generations pinning it (reused or freshly written pages).
+    pub pins: u32,
+    /// Retrieve leases holding it.
+    pub readers: u32,
+    /// Background I/O jobs reading or writing its bytes.
+    pub io: u32,
+    /// LRU tick of its L1 copy (0 = not in the LRU).
+    pub tick: u64,
+    /// Listed generations naming it (for retirement when its last copy goes).
+    pub gens: Vec<Arc<str>>,
+    /// Retrieve leases waiting for its load.
+    pub waiters: Vec<u64>,
+}
+
+impl Obj {
+    /// A fresh object being written by `lease` into `slot`.
+    pub fn writing(page_bytes: u64, slot: AllocSlot, lease: u64) -> Obj {
+        Obj {
+            page_bytes,
+            slot: Some(slot),
+            l1: L1::Writing(lease),
+            l2: L2::Absent,
+            refs: 0,
+            pins: 0,
+            readers: 0,
+            io: 0,
+            tick: 0,
+            gens: Vec::new(),
+            waiters: Vec::new(),
+        }
+    }
+
+    /// Whether a store may reuse it without copying (committed somewhere).
+    pub fn reusable(&self) -> bool {
+        self.l1 == L1::Ready || self.l2 == L2::Durable
+    }
+
+    /// Nothing references or uses it: it can be deleted from every tier.
+    pub fn unreferenced(&self) -> bool {
+        self.refs == 0
+            && self.pins == 0
+            && self.readers == 0
+            && self.io == 0
+            && matches!(self.l1, L1::Absent | L1::Ready)
+            && self.waiters.is_empty()
+    }
+
+    /// Its L1 copy may be dropped right now (nobody uses it).
+    pub fn l1_idle(&self) -> bool {
+        self.l1 == L1::Ready && self.readers == 0 && self.pins == 0 && self.io == 0
+    }
+}
+
+/// Rank progress inside a pending generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankState {
+    /// A store lease is out.
+    Leased(u64),
+    /// The rank's bytes are committed (acknowledged or being acknowledged).
+    Committed,
+}
+
+/// A generation between BEGIN and publication, as the service sees it.
+#[derive(Debug)]
+pub struct PendingGen {
+    /// Per rank progress.
+    pub ranks: HashMap<u32, RankState>,
+    /// One pin per entry (reused and freshly written pages of prepared ranks).
+    pub pinned: Vec<ObjectKey>,
+    /// Directory acknowledgements running outside the lock.
+    pub acks_in_flight: u32,
+    /// An abort arrived while acknowledgements were in flight.
+    pub abort_requested: bool,
+    /// Which staging of the generation this is (a generation aborted and
+    /// begun again is a new staging; leases of the old one never join it).
+    pub epoch: u64,
+}
+
+/// A live store lease.
+#[derive(Debug)]
+pub struct StoreLease {
+    /// Internal lease number (owner tag of its Writing objects).
+    pub number: u64,
+    /// Generation being stored.
+    pub generation: String,
+    /// Rank storing.
+    pub rank: u32,
+    /// Objects this lease is writing (its slots).
+    pub written: Vec<ObjectKey>,
+    /// Bytes exposed for copying.
+    pub bytes: u64,
+}
+
+/// A live retrieve lease.
+#[derive(Debug)]
+pub struct RetrieveLease {
+    /// Generation being restored.
+    pub generation: String,
+    /// Keys in group order, then position order.
+    pub keys: Vec<ObjectKey>,
+    /// Pages per group.
+    pub group_sizes: Vec<usize>,
+    /// Which keys this lease holds a reader on.
+    pub held: Vec<bool>,
+    /// Slots were returned to the worker (finish required).
+    pub exposed: bool,
+    /// Why it failed, if it did (reported by the next poll).
+    pub failed: Option<&'static str>,
+    /// Started, for the capacity wait bound.
+    pub started: Instant,
+}
+
+/// A listed generation's object set.
+#[derive(Debug)]
+pub struct ListedGen {
+    /// All objects of all ranks.
+    pub keys: Vec<ObjectKey>,
+    /// How many of them are not yet durable in L2.
+    pub not_durable: usize,
+}
+
+/// Everything under the service mutex.
+#[derive(Debug)]
+pub struct State {
+    pub objects: HashMap<ObjectKey, Obj>,
+    /// L1-resident objects by LRU tick (oldest first).
+    pub lru: BTreeMap<u64, ObjectKey>,
+    pub tick: u64,
+    pub alloc: SlotAllocator,
+    pub store_leases: HashMap<u64, StoreLease>,
+    pub store_ranks: HashSet<(String, u32)>,
+    pub retrieve_leases: HashMap<u64, RetrieveLease>,
+    pub pending: HashMap<String, PendingGen>,
+    pub listed: HashMap<Arc<str>, ListedGen>,
+    pub counters: BTreeMap<&'static str, u64>,
+    pub misses: BTreeMap<String, u64>,
+    pub next_lease: u64,
+    /// Epoch of the next staged generation.
+    pub next_epoch: u64,
+    pub lease_salt: u64,
+    pub accepting: bool,
+    /// L2 files to delete (unreferenced objects), drained by the caller.
+    pub l2_deletes: Vec<ObjectKey>,
+    /// Keys whose L2 delete is queued or running (a count per key). A store
+    /// must not recreate such a key until the delete is done: it would find
+    /// the old file, skip its write and lose its only disk copy.
+    pub deleting: HashMap<ObjectKey, u32>,
+    /// Objects whose L2 write must be queued, drained by the caller.
+    pub l2_writes: Vec<ObjectKey>,
+    /// Generations whose last object became durable, drained by the caller.
+    pub newly_durable: Vec<Arc<str>>,
+    /// Generations to retire in the directory, drained by the caller.
+    pub to_retire: Vec<Arc<str>>,
+}
+
+impl State {
+    pub fn new(alloc: SlotAllocator, lease_salt: u64) -> State {
+        State {
+            objects: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            alloc,
+            store_leases: HashMap::new(),
+            store_ranks: HashSet::new(),
+            retrieve_leases: HashMap::new(),
+            pending: HashMap::new(),
+            listed: HashMap::new(),
+            counters: BTreeMap::new(),
+            misses: BTreeMap::new(),
+            next_lease: 1,
+            next_epoch: 1,
+            lease_salt,
+            accepting: true,
+            l2_deletes: Vec::new(),
+            deleting: HashMap::new(),
+            l2_writes: Vec::new(),
+            newly_durable: Vec::new(),
+            to_retire: Vec::new(),
+        }
+    }
+
+    pub fn count(&mut self, name: &'static str, by: u64) {
+        *self.counters.entry(name).or_insert(0) += by;
+    }
+
+    pub fn miss(&mut self, reason: &str) {
+        *self.misses.entry(reason.to_string()).or_insert(0) += 1;
+    }
+
+    /// A new lease number and its public id (32 hex characters).
+    pub fn new_lease_id(&mut self) -> (u64, String) {
+        let n = self.next_lease;
+        self.next_lease += 1;
+        (n, format!("{:016x}{:016x}", self.lease_salt, n))
+    }
+
+    /// Parses a public lease id back to its number (None = not ours).
+    pub fn lease_number(&self, id: &str) -> Option<u64> {
+        if id.len() != 32 {
+            return None;
+        }
+        let salt = u64::from_str_radix(&id[..16], 16).ok()?;
+        let n = u64::from_str_radix(&id[16..], 16).ok()?;
+        (salt == self.lease_salt).then_some(n)
+    }
+
+    pub fn live_leases(&self) -> usize {
+        self.store_ranks.len() + self.retrieve_leases.len()
+    }
+
+    /// Moves an L1-resident object to the MRU end.
+    pub fn touch(&mut self, key: &ObjectKey) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(obj) = self.objects.get_mut(key) {
+            if obj.tick != 0 {
+                self.lru.remove(&obj.tick);
+            }
+            obj.tick = tick;
+            self.lru.insert(tick, *key);
+        }
+    }
+
+    /// Frees an object's L1 slot (keeping the record).
+    pub fn drop_l1(&mut self, key: &ObjectKey) -> u64 {
+        let Some(obj) = self.objects.get_mut(key) else {
+            return 0;
+        };
+        if obj.tick != 0 {
+            self.lru.remove(&obj.tick);
+            obj.tick = 0;
+        }
+        obj.l1 = L1::Absent;
+        match obj.slot.take() {
+            Some(slot) => {
+                let reserved = slot.reserved;
+                if let Err(e) = self.alloc.free(slot) {
+                    log::error!("freeing an L1 slot failed (accounting bug): {e}");
+                }
+                reserved
+            }
+            None => 0,
+        }
+    }
+
+    /// Queues the deletion of an object's L2 file (fenced until done).
+    pub fn queue_l2_delete(&mut self, key: ObjectKey) {
+        *self.deleting.entry(key).or_insert(0) += 1;
+        self.l2_deletes.push(key);
+    }
+
+    /// Records that queued L2 deletes were performed.
+    pub fn l2_deletes_done(&mut self, keys: &[ObjectKey]) {
+        for key in keys {
+            if let Some(n) = self.deleting.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.deleting.remove(key);
+                }
+            }
+        }
+    }
+
+    /// Deletes an object from every tier if nothing references it.
+    pub fn maybe_reclaim(&mut self, key: &ObjectKey) -> bool {
+        let unreferenced = self.objects.get(key).is_some_and(Obj::unreferenced);
+        if !unreferenced {
+            return false;
+        }
+        self.drop_l1(key);
+        if let Some(obj) = self.objects.remove(key) {
+            if obj.l2 != L2::Absent {
+                self.queue_l2_delete(*key);
+            }
+            self.count("reclaimed_objects", 1);
+        }
+        true
+    }
+
+    /// Registers a newly listed generation: its pins become references.
+    pub fn list_generation(&mut self, generation: &str, keys: Vec<ObjectKey>) {
+        let name: Arc<str> = Arc::from(generation);
+        let mut not_durable = 0;
+        for key in &keys {
+            if let Some(obj) = self.objects.get_mut(key) {
+                obj.refs += 1;
+                obj.gens.push(name.clone());
+                if obj.l2 != L2::Durable {
+                    not_durable += 1;
+                }
+            }
+        }
+        if not_durable == 0 && !keys.is_empty() {
+            self.newly_durable.push(name.clone());
+        }
+        self.listed.insert(name, ListedGen { keys, not_durable });
+    }
+
+    /// Drops a listed generation's references; reclaims what becomes unreferenced.
+    pub fn unlist_generation(&mut self, generation: &str) -> bool {
+        let Some((name, gen_info)) = self.listed.remove_entry(generation) else {
+            return false;
+        };
+        for key in &gen_info.keys {
+            if let Some(obj) = self.objects.get_mut(key) {
+                obj.refs = obj.refs.saturating_sub(1);
+                if let Some(pos) = obj
+                    .gens
+                    .iter()
+                    .position(|g| Arc::ptr_eq(g, &name) || **g == *name)
+                {
+                    obj.gens.swap_remove(pos);
+                }
+            }
+        }
+        for key in &gen_info.keys {
+            self.maybe_reclaim(key);
+        }
+        true
+    }
+
+    /// Releases every pin of a pending generation and forgets it.
+    pub fn release_pending(&mut self, generation: &str) {
+        let Some(pg) = self.pending.remove(generation) else {
+            return;
+        };
+        for key in &pg.pinned {
+            if let Some(obj) = self.objects.get_mut(key) {
+                obj.pins = obj.pins.saturating_sub(1);
+            }
+        }
+        for key in &pg.pinned {
+            self.maybe_reclaim(key);
+        }
+    }
+
+    /// Marks an object durable and updates its generations.
+    pub fn mark_durable(&mut self, key: &ObjectKey) {
+        let Some(obj) = self.objects.get_mut(key) else {
+            return;
+        };
+        if obj.l2 == L2::Durable {
+            return;
+        }
+        obj.l2 = L2::Durable;
+        let gens = obj.gens.clone();
+        for g in gens {
+            if let Some(info) = self.listed.get_mut(&g) {
+                info.not_durable = info.not_durable.saturating_sub(1);
+                if info.not_durable == 0 {
+                    self.newly_durable.push(g.clone());
+                }
+            }
+        }
+    }
+
+    /// Retires every listed generation naming `key` (its last copy is going).
+    pub fn retire_generations_of(&mut self, key: &ObjectKey) -> usize {
+        let gens = self
+            .objects
+            .get(key)
+            .map(|o| o.gens.clone())
+            .unwrap_or_default();
+        for g in &gens {
+            self.to_retire.push(g.clone());
+            self.unlist_generation(g);
+        }
+        gens.len()
+    }
+
+    /// Whether [`State::evict_for`] may take this object's L1 copy.
+    fn evictable(obj: &Obj, retire_ok: bool) -> bool {
+        obj.l1_idle()
+            && obj.waiters.is_empty()
+            && (obj.refs == 0 || obj.l2 == L2::Durable || (retire_ok && obj.l2 == L2::Absent))
+    }
+
+    /// Bytes of the pool [`State::evict_for`] could free at most.
+    pub fn evictable_bytes(&self, retire_ok: bool) -> u64 {
+        self.lru
+            .values()
+            .filter_map(|key| self.objects.get(key))
+            .filter(|obj| Self::evictable(obj, retire_ok))
+            .filter_map(|obj| obj.slot.map(|s| s.reserved))
+            .sum()
+    }
+
+    /// Evicts L1 copies (oldest first) until `needed` bytes can be allocated.
+    ///
+    /// Takes only idle objects: durable ones lose their L1 copy; unreferenced
+    /// ones are deleted; when `retire_ok`, an object whose only copy is L1
+    /// takes its generations with it (they are retired in the same step).
+    pub fn evict_for(&mut self, needed: u64, retire_ok: bool) -> bool {
+        if self.alloc.largest_free() >= needed {
+            return true;
+        }
+        let candidates: Vec<ObjectKey> = self.lru.values().copied().collect();
+        for key in candidates {
+            if self.alloc.largest_free() >= needed {
+                break;
+            }
+            let Some(obj) = self.objects.get(&key) else {
+                continue;
+            };
+            if !Self::evictable(obj, retire_ok) {
+                continue;
+            }
+            if obj.refs == 0 {
+                self.maybe_reclaim(&key);
+                self.count("l1_evictions", 1);
+            } else if obj.l2 == L2::Durable {
+                self.drop_l1(&key);
+                self.count("l1_evictions", 1);
+            } else if retire_ok && obj.l2 == L2::Absent {
+                self.retire_generations_of(&key);
+                self.count("l1_evictions", 1);
+                self.count("evictions", 1);
+            }
+        }
+        self.alloc.largest_free() >= needed
+    }
+
+    pub fn pins_total(&self) -> u64 {
+        self.objects
+            .values()
+            .map(|o| u64::from(o.pins) + u64::from(o.readers))
+            .sum()
+    }
+}

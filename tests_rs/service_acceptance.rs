@@ -1,0 +1,223 @@
+//! The §11.3 acceptance criteria that apply in process (the others are
+//! covered by `service_scenarios`, `service_faults`, `service_capacity` and
+//! `service_clear`): rejected admission aborts only the new generation,
+//! non-success paths never leave a phantom lease or pin, lease ownership
+//! rules (§5.4), and close.
+
+use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+
+use crate::service_common::*;
+
+#[test]
+fn rejected_lease_admission_aborts_only_the_new_generation() {
+    let cfg = ServiceConfig {
+        max_leases: 1,
+        ..config("acc-budget", None)
+    };
+    let svc = CheckpointService::open(cfg).unwrap();
+    let first = standard(NS, &seq(80_000, 48), "prompt", 2);
+    let second = standard(NS, &seq(81_000, 48), "prompt", 2);
+    assert!(svc.begin(&first).unwrap());
+    assert!(svc.begin(&second).unwrap());
+    let live = prepare(&svc, &first, 0);
+    let rejected = svc.prepare_store(&second, 0).unwrap();
+    assert_eq!(rejected.reason, Some("lease_budget"));
+    assert_eq!(
+        stat(&svc, "pending"),
+        1,
+        "only the rejected generation is aborted"
+    );
+    fill(&svc, &first, 0, &live);
+    svc.finish_store(live.lease_id.as_deref().unwrap(), true)
+        .unwrap();
+    for rank in 1..4 {
+        store_one(&svc, &first, rank);
+    }
+    assert!(is_listed(&svc, &first));
+    assert!(!is_listed(&svc, &second));
+    restore_all(&svc, &first);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+#[test]
+fn non_success_prepare_paths_leave_no_phantom_lease_or_pin() {
+    let cfg = ServiceConfig {
+        max_leases: 2,
+        ..config("acc-phantom", None)
+    };
+    let svc = CheckpointService::open(cfg).unwrap();
+    let m = standard(NS, &seq(82_000, 48), "prompt", 2);
+    let cont = standard(NS, &seq(82_000, 60), "prompt", 2);
+    let counts = |svc: &CheckpointService| (stat(svc, "store_leases"), stat(svc, "pins"));
+
+    // Not pending: a miss with no side effect.
+    let before = counts(&svc);
+    assert_eq!(
+        svc.prepare_store(&m, 0).unwrap().reason,
+        Some("not_pending")
+    );
+    assert_eq!(counts(&svc), before);
+
+    assert!(svc.begin(&m).unwrap());
+    assert!(svc.begin(&cont).unwrap());
+    let live = prepare(&svc, &m, 0);
+    let before = counts(&svc);
+    // Busy: the shared pages are being written.
+    assert_eq!(
+        svc.prepare_store(&cont, 0).unwrap().status,
+        LeaseStatus::Busy
+    );
+    assert_eq!(counts(&svc), before);
+    // Errors: a rank outside the world, a second lease for the same rank.
+    assert_eq!(
+        svc.prepare_store(&m, 4).unwrap_err().kind(),
+        ErrorKind::InvalidInput
+    );
+    let err = svc.prepare_store(&m, 0).unwrap_err();
+    assert!(
+        err.to_string().contains("already has a store lease"),
+        "{err}"
+    );
+    assert_eq!(counts(&svc), before);
+    // A rank that already committed may not prepare again.
+    fill(&svc, &m, 0, &live);
+    svc.finish_store(live.lease_id.as_deref().unwrap(), true)
+        .unwrap();
+    let before = counts(&svc);
+    let err = svc.prepare_store(&m, 0).unwrap_err();
+    assert!(err.to_string().contains("already committed"), "{err}");
+    assert_eq!(counts(&svc), before);
+    // Lease budget: two live leases, a third prepare misses and aborts its
+    // own generation only.
+    let a = prepare(&svc, &m, 1);
+    let b = prepare(&svc, &m, 2);
+    assert_eq!(
+        svc.prepare_store(&cont, 1).unwrap().reason,
+        Some("lease_budget")
+    );
+    assert_eq!(stat(&svc, "store_leases"), 2);
+    for (rank, lease) in [(1, &a), (2, &b)] {
+        fill(&svc, &m, rank, lease);
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+            .unwrap();
+    }
+    assert!(store_one(&svc, &m, 3).0);
+    assert_eq!(stat(&svc, "pending"), 0);
+    restore_all(&svc, &m);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+#[test]
+fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly() {
+    let svc = CheckpointService::open(config("acc-twice", None)).unwrap();
+    let m = standard(NS, &seq(83_000, 48), "prompt", 2);
+    assert!(svc.begin(&m).unwrap());
+    for rank in 0..3 {
+        store_one(&svc, &m, rank);
+    }
+    let last = prepare(&svc, &m, 3);
+    fill(&svc, &m, 3, &last);
+    let id = last.lease_id.clone().unwrap();
+    assert!(svc.finish_store(&id, true).unwrap(), "the publishing call");
+    assert!(
+        !svc.finish_store(&id, true).unwrap(),
+        "a second finish is False"
+    );
+    assert!(!svc.finish_store(&id, false).unwrap());
+    assert!(
+        is_listed(&svc, &m),
+        "a late failure report cannot unpublish"
+    );
+
+    let read = open_read(&svc, &m, 1);
+    let rid = read.lease_id.clone().unwrap();
+    assert_eq!(
+        svc.poll_retrieve(&rid).unwrap().slots,
+        read.slots,
+        "same slots again"
+    );
+    let err = svc.cancel_retrieve(&rid).unwrap_err();
+    assert!(
+        err.to_string().contains("finish"),
+        "exposed slots are finished: {err}"
+    );
+    svc.finish_retrieve(&rid).unwrap();
+    svc.finish_retrieve(&rid).unwrap();
+    assert_eq!(
+        svc.poll_retrieve(&rid).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+
+    let unknown = "0123456789abcdef0123456789abcdef";
+    assert!(!svc.finish_store(unknown, true).unwrap());
+    assert!(!svc.finish_store("not-a-lease", true).unwrap());
+    svc.finish_retrieve(unknown).unwrap();
+    svc.cancel_retrieve(unknown).unwrap();
+    assert_eq!(
+        svc.poll_retrieve(unknown).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    // A lookup that is still pending must be cancelled, not finished.
+    let dir = tempfile::tempdir().unwrap();
+    let svc2 = CheckpointService::open(config("acc-pending", Some(dir.path()))).unwrap();
+    store_all(&svc2, &m);
+    settle(&svc2);
+    svc2.clear(false, false).unwrap();
+    let lookup = svc2.begin_retrieve(&m, 0).unwrap();
+    let lid = lookup.lease_id.unwrap();
+    let err = svc2.finish_retrieve(&lid).unwrap_err();
+    assert!(err.to_string().contains("cancel"), "{err}");
+    svc2.cancel_retrieve(&lid).unwrap();
+    settle(&svc2);
+    assert_idle(&svc2);
+    svc2.close().unwrap();
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+#[test]
+fn close_waits_for_exposed_leases_only_and_stops_admission() {
+    let dir = tempfile::tempdir().unwrap();
+    let svc = CheckpointService::open(config("acc-close", Some(dir.path()))).unwrap();
+    let m = standard(NS, &seq(84_000, 48), "prompt", 2);
+    store_all(&svc, &m);
+    settle(&svc);
+    let exposed = open_read(&svc, &m, 0);
+    assert_eq!(svc.close().unwrap_err().kind(), ErrorKind::LeasesLive);
+    // A failed close leaves the service usable.
+    restore(&svc, &m, 1).unwrap();
+    svc.finish_retrieve(exposed.lease_id.as_deref().unwrap())
+        .unwrap();
+    // A lookup that exposed nothing does not block close.
+    svc.clear(false, false).unwrap();
+    assert_idle(&svc);
+    let pending = svc.begin_retrieve(&m, 2).unwrap();
+    assert_eq!(pending.status, LeaseStatus::Pending);
+    svc.close().unwrap();
+    assert_eq!(svc.begin(&m).unwrap_err().kind(), ErrorKind::Closed);
+}
+
+#[test]
+fn a_read_lease_survives_the_replacement_of_its_generation() {
+    let svc = CheckpointService::open(config("acc-replace", None)).unwrap();
+    let tokens = seq(85_000, 48);
+    let old = standard(NS, &tokens, "prompt", 2);
+    store_all(&svc, &old);
+    let lease = open_read(&svc, &old, 2);
+    let new = standard(NS, &tokens, "response", 2);
+    store_all(&svc, &new);
+    assert!(is_listed(&svc, &new) && !is_listed(&svc, &old), "replaced");
+    assert_eq!(restore(&svc, &old, 0).unwrap_err(), "not_listed");
+    // The exposed slots keep their bytes until the worker finishes.
+    check_slots(&svc, &old, 2, &lease);
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        .unwrap();
+    // Then the replaced generation's own pages (its auxiliary page) are gone.
+    assert_eq!(stat(&svc, "objects"), all_keys(&new).len() as u64);
+    restore_all(&svc, &new);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}

@@ -1,0 +1,181 @@
+//! Capacity: store admission waits within its bound for L1 space and then
+//! misses with reason "capacity", never evicting a leased page (I4); a
+//! restore from L2 that finds no RAM misses without delisting the intact
+//! generation.
+
+use std::time::Duration;
+
+use lmcache_rc_core::Manifest;
+use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+
+use crate::service_common::*;
+
+/// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
+fn pool_filler(base: u32) -> Manifest {
+    let groups = vec![GroupSpec::new(
+        "engine-kv-group:0",
+        1 << 20,
+        vec![0],
+        Role::Endpoint("state".into()),
+    )];
+    build_manifest(NS, &seq(base, 16), 4, &groups, 2, "prompt")
+}
+
+fn small(base: u32) -> Manifest {
+    let groups = vec![GroupSpec::new(
+        "engine-kv-group:0",
+        4096,
+        vec![0, 1],
+        Role::Attention(16),
+    )];
+    build_manifest(NS, &seq(base, 32), 1, &groups, 2, "prompt")
+}
+
+#[test]
+fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages() {
+    let svc = CheckpointService::open(config("cap-full", None)).unwrap();
+    let filler = pool_filler(40_000);
+    store_all(&svc, &filler);
+    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+    assert_eq!(
+        stat(&svc, "l1_bytes"),
+        4 << 20,
+        "the pool is full of leased pages"
+    );
+
+    let m = small(41_000);
+    assert!(svc.begin(&m).unwrap());
+    let miss = svc.prepare_store(&m, 0).unwrap();
+    assert_eq!(miss.status, LeaseStatus::Miss);
+    assert_eq!(miss.reason, Some("capacity"));
+    assert_eq!(misses(&svc, "capacity"), 1);
+    assert_eq!(stat(&svc, "admission_waits"), 1);
+    assert_eq!(stat(&svc, "admission_timeouts"), 1);
+    assert_eq!(stat(&svc, "pending"), 0, "the generation is aborted");
+    assert_eq!(stat(&svc, "store_leases"), 0);
+    // No leased page was evicted or overwritten.
+    for (rank, lease) in leases.iter().enumerate() {
+        check_slots(&svc, &filler, rank as u32, lease);
+    }
+    assert!(is_listed(&svc, &filler));
+    for lease in &leases {
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+            .unwrap();
+    }
+    assert_idle(&svc);
+    // With the leases gone the same store fits (evicting, and so retiring,
+    // the filler: its only copy was L1).
+    store_all(&svc, &m);
+    restore_all(&svc, &m);
+    assert!(!is_listed(&svc, &filler));
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+#[test]
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServiceConfig {
+        store_admission_timeout: HANG_GUARD,
+        ..config("cap-wait", Some(dir.path()))
+    };
+    let svc = CheckpointService::open(cfg).unwrap();
+    let filler = pool_filler(42_000);
+    store_all(&svc, &filler);
+    settle(&svc);
+    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+    let m = small(43_000);
+    assert!(svc.begin(&m).unwrap());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Release the leases once the store is waiting for space.
+            while stat(&svc, "admission_waits") == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for lease in &leases {
+                svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+                    .unwrap();
+            }
+        });
+        let (published, _) = store_one(&svc, &m, 0);
+        assert!(published);
+    });
+    assert_eq!(stat(&svc, "admission_success_after_eviction"), 1);
+    assert_eq!(misses(&svc, "capacity"), 0);
+    assert!(
+        is_listed(&svc, &filler),
+        "durable pages leave L1 without retiring"
+    );
+    restore_all(&svc, &m);
+    settle(&svc);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+#[test]
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ServiceConfig {
+        retrieve_timeout: Duration::from_millis(300),
+        ..config("cap-restore", Some(dir.path()))
+    };
+    let svc = CheckpointService::open(cfg).unwrap();
+    let on_disk = small(44_000);
+    store_all(&svc, &on_disk);
+    settle(&svc);
+    svc.clear(false, false).unwrap();
+    let filler = pool_filler(45_000);
+    store_all(&svc, &filler);
+    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+
+    assert_eq!(restore(&svc, &on_disk, 0).unwrap_err(), "retrieve_timeout");
+    assert!(is_listed(&svc, &on_disk), "no RAM is not proof of loss");
+    for (rank, lease) in leases.iter().enumerate() {
+        check_slots(&svc, &filler, rank as u32, lease);
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+            .unwrap();
+    }
+    settle(&svc);
+    restore_all(&svc, &on_disk);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+#[test]
+fn a_full_l2_never_exceeds_its_capacity_and_generations_still_publish_from_l1() {
+    let dir = tempfile::tempdir().unwrap();
+    let l2 = dir.path().join("l2");
+    let a = standard(NS, &seq(46_000, 48), "prompt", 2);
+    let b = standard(NS, &seq(47_000, 48), "prompt", 2);
+    let (_, one_generation) = expected_l2([&a]);
+    let capacity = one_generation + 700;
+    let cfg = ServiceConfig {
+        l2_bytes: Some(capacity),
+        ..config("cap-l2", Some(&l2))
+    };
+    let svc = CheckpointService::open(cfg).unwrap();
+    store_all(&svc, &a);
+    settle(&svc);
+    store_all(&svc, &b);
+    settle(&svc);
+    assert!(is_listed(&svc, &a) && is_listed(&svc, &b));
+    assert!(stat(&svc, "l2_bytes") <= capacity);
+    assert!(l2_files(&l2).1 <= capacity);
+    let on_disk = stat(&svc, "l2_objects");
+    assert!(on_disk < 56, "b cannot be durable");
+    assert_eq!(
+        stat(&svc, "l2_skipped_full") + stat(&svc, "l2_write_errors"),
+        56 - on_disk,
+        "every object that is not on disk was refused for space"
+    );
+    restore_all(&svc, &b);
+    // Dropping RAM keeps the durable generation and retires the other.
+    let report = svc.clear(false, false).unwrap();
+    assert_eq!(report.retired_generations, 1);
+    assert!(is_listed(&svc, &a) && !is_listed(&svc, &b));
+    settle(&svc);
+    assert_eq!(l2_files(&l2), expected_l2([&a]));
+    restore_all(&svc, &a);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
