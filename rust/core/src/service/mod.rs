@@ -96,8 +96,16 @@ impl CheckpointService {
     /// Opens the service: creates the SHM pool, opens the directory and the L2
     /// tier, and reconciles them (`progress` is called with the number of L2
     /// files scanned so far, for long start-ups).
+    ///
+    /// Progress of a long start-up scan of L2 is logged every 10,000 files.
     pub fn open(config: ServiceConfig) -> Result<CheckpointService> {
-        Self::open_with_progress(config, &mut |_| {})
+        let mut next_report = 10_000;
+        Self::open_with_progress(config, &mut |scanned| {
+            if scanned >= next_report {
+                log::info!("start-up: scanned {scanned} L2 object files");
+                next_report = scanned + 10_000;
+            }
+        })
     }
 
     /// [`CheckpointService::open`] with a progress callback.
@@ -205,19 +213,9 @@ impl CheckpointService {
                 continue;
             }
             for (key, bytes) in &keys {
-                st.objects.entry(*key).or_insert_with(|| Obj {
-                    page_bytes: *bytes,
-                    slot: None,
-                    l1: L1::Absent,
-                    l2: L2::Durable,
-                    refs: 0,
-                    pins: 0,
-                    readers: 0,
-                    io: 0,
-                    tick: 0,
-                    gens: Vec::new(),
-                    waiters: Vec::new(),
-                });
+                st.objects
+                    .entry(*key)
+                    .or_insert_with(|| Obj::on_disk(*bytes));
             }
             st.list_generation(
                 manifest.generation(),
@@ -1261,24 +1259,36 @@ fn advance_retrieve(st: &mut State, lease_no: u64) -> Vec<(ObjectKey, u64, u64)>
     loads
 }
 
-fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
+/// Runs `work` on an L2 I/O thread with the service and its tier, unless
+/// the service is gone by the time it runs.
+fn submit_l2_job(inner: &Arc<Inner>, work: impl FnOnce(&Arc<Inner>, &L2Tier) + Send + 'static) {
     let weak: Weak<Inner> = Arc::downgrade(inner);
-    let job = Box::new(move || {
-        let Some(inner) = weak.upgrade() else {
-            return;
-        };
-        let Some(l2) = inner.l2.clone() else {
-            return;
-        };
+    submit_io(
+        inner,
+        Box::new(move || {
+            let Some(inner) = weak.upgrade() else {
+                return;
+            };
+            let Some(l2) = inner.l2.clone() else {
+                return;
+            };
+            work(&inner, &l2);
+        }),
+    );
+}
+
+/// A page length as `usize` (pages beyond the address space are refused).
+fn page_len(len: u64) -> Result<usize> {
+    usize::try_from(len).map_err(|_| Error::invalid("page too large for this platform"))
+}
+
+fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
+    submit_l2_job(inner, move |inner, l2| {
         // SAFETY: the slot belongs to an object in state Loading; no lease
         // exposes it and nothing else writes it until this job completes.
-        let result = match usize::try_from(len) {
-            Ok(len) => match unsafe { inner.pool.slice_mut(offset, len) } {
-                Ok(buf) => l2.read(&key, buf),
-                Err(e) => Err(e),
-            },
-            Err(_) => Err(Error::invalid("page too large for this platform")),
-        };
+        let result = page_len(len)
+            .and_then(|len| unsafe { inner.pool.slice_mut(offset, len) })
+            .and_then(|buf| l2.read(&key, buf));
         let mut st = inner.state.lock();
         let waiters = match st.objects.get_mut(&key) {
             Some(obj) => {
@@ -1342,10 +1352,9 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
             }
         }
         drop(st);
-        flush(&inner);
+        flush(inner);
         inner.changed.notify_all();
     });
-    submit_io(inner, job);
 }
 
 fn submit_io(inner: &Arc<Inner>, job: Box<dyn FnOnce() + Send>) {
@@ -1366,23 +1375,12 @@ fn submit_io(inner: &Arc<Inner>, job: Box<dyn FnOnce() + Send>) {
 }
 
 fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
-    let weak: Weak<Inner> = Arc::downgrade(inner);
-    let job = Box::new(move || {
-        let Some(inner) = weak.upgrade() else {
-            return;
-        };
-        let Some(l2) = inner.l2.clone() else {
-            return;
-        };
+    submit_l2_job(inner, move |inner, l2| {
         // SAFETY: the object is Ready (immutable) and its `io` count keeps the
         // slot from being freed or reused until this job has finished.
-        let result = match usize::try_from(len) {
-            Ok(len) => match unsafe { inner.pool.slice(offset, len) } {
-                Ok(bytes) => l2.write(&key, bytes),
-                Err(e) => Err(e),
-            },
-            Err(_) => Err(Error::invalid("page too large for this platform")),
-        };
+        let result = page_len(len)
+            .and_then(|len| unsafe { inner.pool.slice(offset, len) })
+            .and_then(|bytes| l2.write(&key, bytes));
         let mut st = inner.state.lock();
         if let Some(obj) = st.objects.get_mut(&key) {
             obj.io = obj.io.saturating_sub(1);
@@ -1399,10 +1397,9 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
         }
         st.maybe_reclaim(&key);
         drop(st);
-        flush(&inner);
+        flush(inner);
         inner.changed.notify_all();
     });
-    submit_io(inner, job);
 }
 
 /// Performs the side effects queued in the state, outside its lock.

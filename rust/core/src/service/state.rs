@@ -64,13 +64,13 @@ pub struct Obj {
 }
 
 impl Obj {
-    /// A fresh object being written by `lease` into `slot`.
-    pub fn writing(page_bytes: u64, slot: AllocSlot, lease: u64) -> Obj {
+    /// An object known only from its verified L2 file (start-up).
+    pub fn on_disk(page_bytes: u64) -> Obj {
         Obj {
             page_bytes,
-            slot: Some(slot),
-            l1: L1::Writing(lease),
-            l2: L2::Absent,
+            slot: None,
+            l1: L1::Absent,
+            l2: L2::Durable,
             refs: 0,
             pins: 0,
             readers: 0,
@@ -78,6 +78,16 @@ impl Obj {
             tick: 0,
             gens: Vec::new(),
             waiters: Vec::new(),
+        }
+    }
+
+    /// A fresh object being written by `lease` into `slot`.
+    pub fn writing(page_bytes: u64, slot: AllocSlot, lease: u64) -> Obj {
+        Obj {
+            slot: Some(slot),
+            l1: L1::Writing(lease),
+            l2: L2::Absent,
+            ..Obj::on_disk(page_bytes)
         }
     }
 
