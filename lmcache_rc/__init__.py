@@ -7,6 +7,8 @@ The public API is re-exported here (``import lmcache_rc as rc``):
 - the durable directory on its own: :class:`Directory`;
 - the checkpoint service in process: :class:`CheckpointService` configured by
   :class:`ServerConfig`, answering :class:`Lease` objects;
+- the sidecar over its Unix socket: :class:`Client` (same methods, plus
+  ``*_async`` variants), and :class:`Server` to run one embedded;
 - errors: :mod:`lmcache_rc.errors`.
 
 Everything heavy runs in the Rust extension ``lmcache_rc._native`` with the GIL
@@ -18,10 +20,12 @@ from __future__ import annotations
 from lmcache_rc import errors
 from lmcache_rc._native import (
     CheckpointService,
+    Client,
     Directory,
     Lease,
     Manifest,
     Prefix,
+    Server,
     TokenRoots,
     __version__,
     checkpoint_generation,
@@ -31,10 +35,12 @@ from lmcache_rc.config import ServerConfig
 
 __all__ = [
     "CheckpointService",
+    "Client",
     "Directory",
     "Lease",
     "Manifest",
     "Prefix",
+    "Server",
     "ServerConfig",
     "TokenRoots",
     "__version__",

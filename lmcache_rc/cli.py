@@ -1,25 +1,32 @@
 """The ``lmcache-rc`` command line (also ``python -m lmcache_rc``).
 
-Sub-commands available in this version:
+Sub-commands:
 
-- ``lmcache-rc --version``
-- ``lmcache-rc identity --identity JSON [--salt S] [--tokens JSON | --text TEXT]``:
-  print the namespace, token roots and generation id of a prompt, so an operator
-  can check two hosts agree on a checkpoint's identity.
+- ``serve``: run the checkpoint sidecar in the foreground until SIGTERM/SIGINT
+  (then drain and exit 0). Every :class:`~lmcache_rc.config.ServerConfig` field
+  is a flag (``--l1-bytes``...) and an environment variable (``LMCACHE_RC_L1_BYTES``).
+- ``status [--json]``, ``clear [--force] [--all-tiers]``, ``inspect [--json]``:
+  talk to a running sidecar over its socket.
+- ``identity``: print the namespace, token roots and generation id of a prompt.
 
-The sidecar (``serve``, ``status``, ``clear``, ``inspect``) and ``demo`` arrive
-with their issues; see the README.
+Exit codes: 0 success, 1 operation failed, 2 bad input, 3 sidecar unreachable,
+4 refused (e.g. a forced clear while leases are live).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import lmcache_rc as rc
+from lmcache_rc.config import ServerConfig
 
 SAMPLE_IDENTITY: dict[str, Any] = {
     "target_revision": "0123456789abcdef0123456789abcdef01234567",
@@ -78,6 +85,135 @@ def _cmd_identity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """Parses a byte count with an optional K/M/G/T suffix (binary units)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field (defaults come from the environment)."""
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        doc = _FIELD_HELP.get(f.name, "")
+        if "int" in kind and "bytes" in f.name:
+            p.add_argument(flag, type=_size, default=None, help=doc + " (e.g. 4G)")
+        elif "int" in kind and "float" not in kind:
+            p.add_argument(flag, type=int, default=None, help=doc)
+        elif "float" in kind:
+            p.add_argument(flag, type=float, default=None, help=doc + " (seconds)")
+        else:
+            p.add_argument(flag, default=None, help=doc)
+
+
+_FIELD_HELP = {
+    "socket": "Unix socket path of the sidecar",
+    "shm_name": "shared-memory pool name (default: derived from --socket)",
+    "l1_bytes": "size of the shared-memory (L1) pool",
+    "checkpoint_index_path": "SQLite file of the durable directory (default: in memory)",
+    "l2_path": "directory of the filesystem (L2) tier (default: none)",
+    "l2_bytes": "capacity of the L2 tier (default: unlimited)",
+    "http_host": "address of the HTTP admin API",
+    "http_port": "port of the HTTP admin API (0 = pick a free port, -1 = off)",
+    "max_entries": "most published generations listed",
+    "max_pending": "most generations pending at once",
+    "max_leases": "most live worker leases",
+    "store_admission_timeout": "how long a store waits for L1 space",
+    "retrieve_timeout": "how long a retrieve may stay pending",
+    "abandoned_after": "abort pending generations older than this",
+    "l2_io_threads": "threads writing and reading L2 files",
+}
+
+
+def _config_from(args: argparse.Namespace) -> ServerConfig:
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ServerConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    return ServerConfig.from_env(**overrides)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    # The core logs start-up progress (L2 scan) and warnings at INFO and above.
+    logging.basicConfig(level=logging.INFO, format="lmcache-rc: %(message)s")
+    config = _config_from(args)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        print(f"lmcache-rc: {signal.Signals(signum).name} received, draining...", flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    print(f"lmcache-rc {rc.__version__}: starting sidecar", flush=True)
+    server = rc.Server.start(config, temp_socket=False)
+    caps = rc.Client(server.socket_path).capabilities()
+    print(f"  socket      {server.socket_path}", flush=True)
+    print(f"  shm pool    {caps['shm_name']} ({caps['pool_size']} bytes)", flush=True)
+    print(f"  directory   {config.checkpoint_index_path or 'in memory (not durable)'}", flush=True)
+    print(f"  l2          {config.l2_path or 'none'}", flush=True)
+    if server.http_url:
+        print(f"  http admin  {server.http_url}", flush=True)
+    print("ready", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    print("lmcache-rc: stopped cleanly", flush=True)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> rc.Client:
+    socket = args.socket or ServerConfig.from_env().socket
+    return rc.Client(socket)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = _client(args).status()
+    if args.json:
+        print(json.dumps(status, sort_keys=True))
+        return 0
+    misses = status.pop("misses", {})
+    width = max(len(k) for k in status)
+    for key in sorted(status):
+        print(f"{key:<{width}}  {status[key]}")
+    print("misses" + "".join(f"\n  {k}: {v}" for k, v in sorted(misses.items())) or "")
+    return 0
+
+
+def _cmd_clear(args: argparse.Namespace) -> int:
+    what = "RAM (L1)" + (" and disk (L2)" if args.all_tiers else "")
+    print(f"clearing {what}{' (forced)' if args.force else ''}...", file=sys.stderr)
+    report = _client(args).clear(force=args.force, all_tiers=args.all_tiers)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        for key in sorted(report):
+            print(f"{key}: {report[key]}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    rows = _client(args).list_generations()
+    if args.json:
+        print(json.dumps(rows, sort_keys=True))
+        return 0
+    if not rows:
+        print("no published generations")
+        return 0
+    print(f"{'generation':<40} {'tokens':>8} {'ranks':>5} {'bytes':>12} durable")
+    for r in rows:
+        print(
+            f"{r['generation'][:40]:<40} {r['num_tokens']:>8} {r['world_size']:>5} "
+            f"{r['payload_bytes']:>12} {'yes' if r['durable'] else 'no'}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lmcache-rc`` (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -86,6 +222,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lmcache-rc {rc.__version__}")
     sub = parser.add_subparsers(dest="command")
+
+    serve = sub.add_parser("serve", help="run the checkpoint sidecar in the foreground")
+    _add_server_flags(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    for name, func, helptext in (
+        ("status", _cmd_status, "print the sidecar's counters"),
+        ("clear", _cmd_clear, "drop cached checkpoint pages"),
+        ("inspect", _cmd_inspect, "list published generations"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument(
+            "--socket", help="sidecar socket (default: LMCACHE_RC_SOCKET or the default)"
+        )
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "clear":
+            p.add_argument("--force", action="store_true", help="also drop pages of idle pins")
+            p.add_argument("--all-tiers", action="store_true", help="also delete L2 files")
+        p.set_defaults(func=func)
+
     ident = sub.add_parser(
         "identity", help="print the checkpoint identity (namespace, roots, generation) of a prompt"
     )
@@ -101,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 = bad input, 1 = failure)."""
+    """Entry point; returns the process exit code (see the module docs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -109,11 +265,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         code: int = args.func(args)
-    except rc.errors.InvalidInput as exc:
+    except rc.errors.Unavailable as exc:
+        print(f"lmcache-rc: sidecar unreachable: {exc}", file=sys.stderr)
+        return 3
+    except rc.errors.LeasesLive as exc:
+        print(f"lmcache-rc: refused: {exc}", file=sys.stderr)
+        return 4
+    except (rc.errors.InvalidInput, ValueError) as exc:
         print(f"lmcache-rc: error: {exc}", file=sys.stderr)
-        return 2
-    except json.JSONDecodeError as exc:
-        print(f"lmcache-rc: error: invalid JSON argument: {exc}", file=sys.stderr)
         return 2
     except rc.errors.CheckpointError as exc:
         print(f"lmcache-rc: error: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 //! public API; names follow the rule they check.
 
 mod common;
+mod http_admin;
 mod identity_properties;
 mod identity_vectors;
 mod index_crash;
@@ -13,6 +14,11 @@ mod index_publication;
 mod index_recency;
 mod index_reference;
 mod index_support;
+mod rpc_common;
+mod rpc_restart;
+mod rpc_server;
+mod rpc_stress;
+mod rpc_wire;
 mod service_716;
 mod service_725;
 mod service_acceptance;

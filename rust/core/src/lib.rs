@@ -1,20 +1,24 @@
 //! lmcache-rc core: everything that is not Python glue.
 //!
 //! Modules own one concern each (see `docs/architecture.md`):
+//! - [`http`]: the sidecar's HTTP admin API (status, metrics, clear);
 //! - [`identity`]: namespaces, token roots, prefixes, page keys, generation ids;
 //! - [`manifest`]: manifests and payload page-group validation;
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
+//! - [`rpc`]: the sidecar's wire format, RPC server and client;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod http;
 pub mod identity;
 pub mod index;
 pub mod json;
 pub mod manifest;
+pub mod rpc;
 pub mod service;
 pub mod store;
 

@@ -7,6 +7,7 @@ mod convert;
 mod directory;
 mod errors;
 mod identity;
+mod rpc;
 mod service;
 
 use pyo3::prelude::*;
@@ -31,6 +32,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<service::PyCheckpointService>()?;
     m.add_class::<service::PyLease>()?;
     m.add_class::<service::SlotView>()?;
+    m.add_class::<rpc::PyClient>()?;
+    m.add_class::<rpc::PyFuture>()?;
+    m.add_class::<rpc::PyServer>()?;
+    m.add_class::<rpc::MappedSlotView>()?;
     Ok(())
 }
 

@@ -1,0 +1,634 @@
+//! The RPC client: thread-safe, pipelining, reconnecting.
+//!
+//! One [`Client`] holds at most one connection. Any number of threads call
+//! it at once: each call gets a fresh request id, registers a reply slot,
+//! writes its frame under the connection's write lock and waits on its slot;
+//! a reader thread per connection routes replies to slots by id. Blocking
+//! calls wait at most the configured timeout ([`Error::Timeout`]; the server
+//! may still carry the call out, and its late reply is dropped); the `*_async`
+//! calls return a [`Pending`] future instead.
+//!
+//! When the connection is lost (the server stopped or restarted), every call
+//! in flight fails with [`Error::Unavailable`] and the next call connects
+//! again (with a new handshake), so a restarted server is picked up without
+//! a new client. Calls never retry by themselves: whether a lost call took
+//! effect is for the caller to reconcile.
+
+use std::collections::HashMap;
+use std::io::BufReader;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::Prefix;
+use crate::manifest::Manifest;
+use crate::service::{Capabilities, ClearReport, GenerationInfo, Lease, ServiceStatus};
+
+use super::wire::{
+    self, CONNECTION_ERROR_ID, FrameError, Reply, Request, Value, WireError, WireManifest,
+    WirePrefix,
+};
+
+/// Settings of a [`Client`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientConfig {
+    /// How long a blocking call waits for its reply.
+    pub timeout: Duration,
+    /// How long connecting (the handshake) may take.
+    pub connect_timeout: Duration,
+    /// Largest frame payload sent or accepted, in bytes.
+    pub max_frame: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(10),
+            max_frame: wire::DEFAULT_MAX_FRAME,
+        }
+    }
+}
+
+type SlotResult = std::result::Result<Value, WireError>;
+
+/// Where one call's reply lands.
+struct Slot {
+    result: Mutex<Option<SlotResult>>,
+    ready: Condvar,
+}
+
+impl Slot {
+    fn new() -> Arc<Slot> {
+        Arc::new(Slot {
+            result: Mutex::new(None),
+            ready: Condvar::new(),
+        })
+    }
+    fn complete(&self, result: SlotResult) {
+        let mut r = self.result.lock();
+        if r.is_none() {
+            *r = Some(result);
+        }
+        self.ready.notify_all();
+    }
+}
+
+fn wire_error(kind: ErrorKind, message: impl Into<String>) -> WireError {
+    WireError {
+        kind: kind.as_str().to_string(),
+        message: message.into(),
+    }
+}
+
+struct Calls {
+    /// Set once the connection is unusable; later calls fail with it.
+    dead: Option<WireError>,
+    slots: HashMap<u64, Arc<Slot>>,
+}
+
+/// One connection to the server.
+struct Conn {
+    writer: Mutex<UnixStream>,
+    calls: Mutex<Calls>,
+}
+
+impl Conn {
+    fn alive(&self) -> bool {
+        self.calls.lock().dead.is_none()
+    }
+    /// Marks the connection dead and fails every call in flight.
+    fn fail_all(&self, error: WireError) {
+        let slots: Vec<Arc<Slot>> = {
+            let mut calls = self.calls.lock();
+            if calls.dead.is_none() {
+                calls.dead = Some(error.clone());
+            }
+            calls.slots.drain().map(|(_, s)| s).collect()
+        };
+        for slot in slots {
+            slot.complete(Err(error.clone()));
+        }
+        let _ = self.writer.lock().shutdown(std::net::Shutdown::Both);
+    }
+    fn forget(&self, id: u64) {
+        self.calls.lock().slots.remove(&id);
+    }
+}
+
+/// A reply that may not have arrived yet (see [`Client::call_async`]).
+pub struct PendingReply {
+    slot: Arc<Slot>,
+    conn: Option<Arc<Conn>>,
+    id: u64,
+    what: &'static str,
+}
+
+impl std::fmt::Debug for PendingReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingReply")
+            .field("id", &self.id)
+            .field("what", &self.what)
+            .field("done", &self.is_done())
+            .finish()
+    }
+}
+
+impl PendingReply {
+    fn failed(what: &'static str, error: &Error) -> PendingReply {
+        let slot = Slot::new();
+        slot.complete(Err(WireError::from(error)));
+        PendingReply {
+            slot,
+            conn: None,
+            id: 0,
+            what,
+        }
+    }
+
+    /// Whether the reply (or the failure) is in.
+    pub fn is_done(&self) -> bool {
+        self.slot.result.lock().is_some()
+    }
+
+    /// The operation's name.
+    pub fn operation(&self) -> &'static str {
+        self.what
+    }
+
+    /// Waits up to `timeout` (None = forever) and returns the result; may be
+    /// called again (the result is kept). A wait that times out returns
+    /// [`Error::Timeout`] and leaves the call pending.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Value> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut r = self.slot.result.lock();
+        loop {
+            if let Some(result) = r.as_ref() {
+                return result.clone().map_err(Error::from);
+            }
+            match deadline {
+                None => self.slot.ready.wait(&mut r),
+                Some(d) => {
+                    if self.slot.ready.wait_until(&mut r, d).timed_out() && r.is_none() {
+                        return Err(Error::Timeout(format!(
+                            "no reply to {} within {:.3} s",
+                            self.what,
+                            timeout.unwrap_or_default().as_secs_f64()
+                        )));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gives up on the reply: a late reply is dropped.
+    fn abandon(&self) {
+        if let Some(conn) = &self.conn {
+            conn.forget(self.id);
+        }
+    }
+}
+
+/// A typed [`PendingReply`]: the `*_async` calls' future.
+pub struct Pending<T> {
+    raw: PendingReply,
+    convert: fn(Value) -> Result<T>,
+}
+
+impl<T> std::fmt::Debug for Pending<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.raw.fmt(f)
+    }
+}
+
+impl<T> Pending<T> {
+    /// Whether the reply (or the failure) is in.
+    pub fn is_done(&self) -> bool {
+        self.raw.is_done()
+    }
+    /// Waits up to `timeout` (None = forever) for the typed result; see
+    /// [`PendingReply::wait`].
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<T> {
+        self.raw.wait(timeout).and_then(self.convert)
+    }
+    /// The untyped reply.
+    pub fn into_raw(self) -> PendingReply {
+        self.raw
+    }
+}
+
+/// A client of one server socket (see the [module docs](self)).
+pub struct Client {
+    path: PathBuf,
+    config: ClientConfig,
+    conn: Mutex<Option<Arc<Conn>>>,
+    closed: AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("socket", &self.path)
+            .field("connected", &self.is_connected())
+            .finish()
+    }
+}
+
+impl Client {
+    /// Connects to the server at `socket` with default settings. Fails with
+    /// [`Error::Unavailable`] when nothing answers there.
+    pub fn connect(socket: impl AsRef<Path>) -> Result<Client> {
+        Self::connect_with(socket, ClientConfig::default())
+    }
+
+    /// [`Client::connect`] with settings.
+    pub fn connect_with(socket: impl AsRef<Path>, config: ClientConfig) -> Result<Client> {
+        let client = Client {
+            path: socket.as_ref().to_path_buf(),
+            config,
+            conn: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+        };
+        client.connection()?;
+        Ok(client)
+    }
+
+    /// The socket path.
+    pub fn socket_path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
+    /// Whether a live connection is open now.
+    pub fn is_connected(&self) -> bool {
+        self.conn.lock().as_ref().is_some_and(|c| c.alive())
+    }
+
+    /// Closes the connection; later calls fail with [`Error::Closed`].
+    /// Leases obtained through this client stay live on the server.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        if let Some(conn) = self.conn.lock().take() {
+            conn.fail_all(WireError::from(&Error::Closed("lmcache-rc client")));
+        }
+    }
+
+    /// The live connection, connecting (again) if needed.
+    fn connection(&self) -> Result<Arc<Conn>> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Closed("lmcache-rc client"));
+        }
+        let mut guard = self.conn.lock();
+        if let Some(c) = guard.as_ref() {
+            if c.alive() {
+                return Ok(c.clone());
+            }
+        }
+        *guard = None;
+        let conn = self.open()?;
+        *guard = Some(conn.clone());
+        Ok(conn)
+    }
+
+    fn unavailable(&self, what: &str, e: impl std::fmt::Display) -> Error {
+        Error::Unavailable(format!(
+            "{what} the lmcache-rc server at {}: {e} (is `lmcache-rc serve` running?)",
+            self.path.display()
+        ))
+    }
+
+    /// Connects and performs the version handshake.
+    fn open(&self) -> Result<Arc<Conn>> {
+        let stream = UnixStream::connect(&self.path)
+            .map_err(|e| self.unavailable("cannot connect to", e))?;
+        let setup = |s: &UnixStream| -> std::io::Result<()> {
+            s.set_read_timeout(Some(
+                self.config.connect_timeout.max(Duration::from_millis(1)),
+            ))?;
+            s.set_write_timeout(Some(self.config.timeout.max(Duration::from_millis(1))))
+        };
+        setup(&stream).map_err(|e| self.unavailable("cannot configure a socket to", e))?;
+        send_all(
+            &stream,
+            &wire::encode_hello(wire::MIN_PROTOCOL_VERSION, wire::PROTOCOL_VERSION),
+        )
+        .map_err(|e| self.unavailable("cannot greet", e))?;
+        let mut buf = Vec::new();
+        let mut reader = &stream;
+        match wire::read_frame(&mut reader, 8 + 4096, &mut buf) {
+            Ok(()) => {}
+            Err(FrameError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(self.unavailable(
+                    "no handshake answer within the connect timeout from",
+                    format!("{:?}", self.config.connect_timeout),
+                ));
+            }
+            Err(e) => return Err(self.unavailable("handshake failed with", e)),
+        }
+        let (version, message) = wire::decode_welcome(&buf)?;
+        if version == 0 {
+            return Err(Error::Protocol(format!(
+                "the lmcache-rc server at {} refused the connection: {message}",
+                self.path.display()
+            )));
+        }
+        if !(wire::MIN_PROTOCOL_VERSION..=wire::PROTOCOL_VERSION).contains(&version) {
+            return Err(Error::Protocol(format!(
+                "the lmcache-rc server at {} chose protocol version {version}, which this client \
+                 ({}..={}) does not speak",
+                self.path.display(),
+                wire::MIN_PROTOCOL_VERSION,
+                wire::PROTOCOL_VERSION
+            )));
+        }
+        stream
+            .set_read_timeout(None)
+            .map_err(|e| self.unavailable("cannot configure a socket to", e))?;
+        let reader = stream
+            .try_clone()
+            .map_err(|e| self.unavailable("cannot clone a socket to", e))?;
+        let conn = Arc::new(Conn {
+            writer: Mutex::new(stream),
+            calls: Mutex::new(Calls {
+                dead: None,
+                slots: HashMap::new(),
+            }),
+        });
+        let for_thread = conn.clone();
+        let max_frame = self.config.max_frame;
+        let path = self.path.display().to_string();
+        std::thread::Builder::new()
+            .name("lmcache-rc-client".into())
+            .spawn(move || read_replies(for_thread, reader, max_frame, path))
+            .map_err(|e| self.unavailable("cannot start a reader thread for", e))?;
+        Ok(conn)
+    }
+
+    /// Sends `request`; the reply arrives in the returned [`PendingReply`]
+    /// (failures to send, too). A send that fails before its first byte
+    /// left (the connection had already died, e.g. the server restarted
+    /// since the last call) cannot have reached the server: it is retried
+    /// once on a fresh connection.
+    pub fn call_async(&self, request: Request) -> PendingReply {
+        let what = request.name();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = match wire::encode_request(id, &request, self.config.max_frame) {
+            Ok(f) => f,
+            Err(e) => return PendingReply::failed(what, &e),
+        };
+        drop(request);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let conn = match self.connection() {
+                Ok(c) => c,
+                Err(e) => return PendingReply::failed(what, &e),
+            };
+            let slot = Slot::new();
+            {
+                let mut calls = conn.calls.lock();
+                if let Some(dead) = &calls.dead {
+                    slot.complete(Err(dead.clone()));
+                    return PendingReply {
+                        slot,
+                        conn: None,
+                        id,
+                        what,
+                    };
+                }
+                calls.slots.insert(id, slot.clone());
+            }
+            let (sent, result) = send_counted(&conn.writer.lock(), &frame);
+            if let Err(e) = result {
+                conn.fail_all(wire_error(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "sending {what} to the lmcache-rc server at {} failed: {e} \
+                         (the server stopped or restarted)",
+                        self.path.display()
+                    ),
+                ));
+                if sent == 0 && attempt == 1 && !self.closed.load(Ordering::SeqCst) {
+                    continue;
+                }
+            }
+            return PendingReply {
+                slot,
+                conn: Some(conn),
+                id,
+                what,
+            };
+        }
+    }
+
+    /// Sends `request` and waits up to the configured timeout for its reply.
+    pub fn call(&self, request: Request) -> Result<Value> {
+        self.call_with_timeout(request, self.config.timeout)
+    }
+
+    /// [`Client::call`] with an explicit timeout.
+    pub fn call_with_timeout(&self, request: Request, timeout: Duration) -> Result<Value> {
+        let pending = self.call_async(request);
+        let result = pending.wait(Some(timeout));
+        if matches!(&result, Err(Error::Timeout(_))) {
+            pending.abandon();
+        }
+        result
+    }
+
+    fn typed<T>(&self, request: Request, convert: fn(Value) -> Result<T>) -> Result<T> {
+        self.call(request).and_then(convert)
+    }
+
+    fn typed_async<T>(&self, request: Request, convert: fn(Value) -> Result<T>) -> Pending<T> {
+        Pending {
+            raw: self.call_async(request),
+            convert,
+        }
+    }
+}
+
+fn roots_of(roots: &[Prefix]) -> Vec<WirePrefix> {
+    roots.iter().map(WirePrefix::from).collect()
+}
+
+/// Defines a blocking method and its `*_async` twin for each operation.
+macro_rules! operations {
+    ($(
+        $(#[$doc:meta])*
+        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty
+            = $request:expr, $convert:path;
+    )*) => {
+        impl Client {
+            $(
+                $(#[$doc])*
+                pub fn $name(&self, $($arg: $ty),*) -> Result<$out> {
+                    self.typed($request, $convert)
+                }
+                #[doc = concat!("[`Client::", stringify!($name), "`] without waiting: a future of its result.")]
+                pub fn $name_async(&self, $($arg: $ty),*) -> Pending<$out> {
+                    self.typed_async($request, $convert)
+                }
+            )*
+        }
+    };
+}
+
+operations! {
+    /// Pool name and size, format and protocol versions, durability.
+    fn capabilities / capabilities_async () -> Capabilities
+        = Request::Capabilities, Value::into_capabilities;
+    /// The longest listed generation matching the roots (a candidate).
+    fn find / find_async (roots: &[Prefix]) -> Option<Manifest>
+        = Request::Find { roots: roots_of(roots) }, Value::into_manifest;
+    /// Stages a generation; false = duplicate, no capacity, or shutting down.
+    fn begin / begin_async (manifest: &Manifest) -> bool
+        = Request::Begin { manifest: WireManifest::from(manifest) }, Value::into_bool;
+    /// Aborts a pending generation.
+    fn abort / abort_async (generation: &str) -> ()
+        = Request::Abort { generation: generation.to_string() }, Value::into_unit;
+    /// Leases slots for one rank's pages: ready | busy | miss.
+    fn prepare_store / prepare_store_async (manifest: &Manifest, rank: u32) -> Lease
+        = Request::PrepareStore { manifest: WireManifest::from(manifest), rank },
+          Value::into_lease;
+    /// Ends a store lease; true only for the call that published.
+    fn finish_store / finish_store_async (lease_id: &str, success: bool) -> bool
+        = Request::FinishStore { lease_id: lease_id.to_string(), success, rank: None },
+          Value::into_bool;
+    /// Starts restoring one rank: pending | miss.
+    fn begin_retrieve / begin_retrieve_async (manifest: &Manifest, rank: u32) -> Lease
+        = Request::BeginRetrieve { manifest: WireManifest::from(manifest), rank },
+          Value::into_lease;
+    /// Polls a retrieve: pending | ready | miss.
+    fn poll_retrieve / poll_retrieve_async (lease_id: &str) -> Lease
+        = Request::PollRetrieve { lease_id: lease_id.to_string(), rank: None },
+          Value::into_lease;
+    /// Ends an exposed retrieve lease after the copy drained.
+    fn finish_retrieve / finish_retrieve_async (lease_id: &str) -> ()
+        = Request::FinishRetrieve { lease_id: lease_id.to_string(), rank: None },
+          Value::into_unit;
+    /// Cancels a retrieve that exposed nothing.
+    fn cancel_retrieve / cancel_retrieve_async (lease_id: &str) -> ()
+        = Request::CancelRetrieve { lease_id: lease_id.to_string(), rank: None },
+          Value::into_unit;
+    /// Counters and gauges of the service and the RPC layer.
+    fn status / status_async () -> ServiceStatus
+        = Request::Status, Value::into_status;
+    /// Drops L1 (and with `all_tiers` L2) copies.
+    fn clear / clear_async (force: bool, all_tiers: bool) -> ClearReport
+        = Request::Clear { force, all_tiers }, Value::into_clear;
+    /// Every listed generation (operators' `inspect`).
+    fn list_generations / list_generations_async () -> Vec<GenerationInfo>
+        = Request::ListGenerations, Value::into_generations;
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Writes all of `frame` (no SIGPIPE; honours the socket's write timeout).
+fn send_all(stream: &UnixStream, frame: &[u8]) -> std::io::Result<()> {
+    send_counted(stream, frame).1
+}
+
+/// [`send_all`] that also tells how many bytes left before a failure.
+fn send_counted(stream: &UnixStream, frame: &[u8]) -> (usize, std::io::Result<()>) {
+    use rustix::net::{SendFlags, send};
+    let mut sent = 0;
+    while sent < frame.len() {
+        match send(stream.as_fd(), &frame[sent..], SendFlags::NOSIGNAL) {
+            Ok(0) => {
+                let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "socket closed");
+                return (sent, Err(e));
+            }
+            Ok(n) => sent += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return (sent, Err(e.into())),
+        }
+    }
+    (sent, Ok(()))
+}
+
+/// The reader thread: routes replies to their slots until the connection
+/// ends, then fails whatever is still in flight.
+fn read_replies(conn: Arc<Conn>, stream: UnixStream, max_frame: usize, path: String) {
+    let mut reader = BufReader::with_capacity(64 << 10, stream);
+    let mut buf = Vec::new();
+    let error = loop {
+        match wire::read_frame(&mut reader, max_frame, &mut buf) {
+            Ok(()) => {}
+            Err(FrameError::Eof) => {
+                break wire_error(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "the lmcache-rc server at {path} closed the connection (it stopped or \
+                         restarted); the call's outcome is unknown"
+                    ),
+                );
+            }
+            Err(e @ FrameError::Oversize { .. }) => {
+                break wire_error(
+                    ErrorKind::Protocol,
+                    format!("the lmcache-rc server at {path} sent an oversize reply: {e}"),
+                );
+            }
+            Err(e) => {
+                break wire_error(
+                    ErrorKind::Unavailable,
+                    format!("the connection to the lmcache-rc server at {path} failed: {e}"),
+                );
+            }
+        }
+        let (id, body) = match wire::split_id(&buf) {
+            Ok(x) => x,
+            Err(e) => break WireError::from(&e),
+        };
+        let reply = wire::decode_reply(body);
+        if id == CONNECTION_ERROR_ID {
+            break match reply {
+                Ok(Reply::Err(e)) => wire_error(
+                    ErrorKind::Protocol,
+                    format!(
+                        "the lmcache-rc server at {path} closed the connection: {}",
+                        e.message
+                    ),
+                ),
+                _ => wire_error(
+                    ErrorKind::Protocol,
+                    format!("the lmcache-rc server at {path} sent a malformed connection error"),
+                ),
+            };
+        }
+        let slot = conn.calls.lock().slots.remove(&id);
+        if let Some(slot) = slot {
+            slot.complete(match reply {
+                Ok(Reply::Ok(v)) => Ok(v),
+                Ok(Reply::Err(e)) => Err(e),
+                Err(e) => Err(WireError::from(&e)),
+            });
+        }
+        if buf.capacity() > 1 << 20 {
+            buf = Vec::new();
+        }
+    };
+    conn.fail_all(error);
+}

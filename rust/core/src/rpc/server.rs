@@ -1,0 +1,958 @@
+//! The RPC server: a Unix-socket listener in front of one [`CheckpointService`].
+//!
+//! Threads: one accept thread; one thread per connection (bounded by
+//! [`ServerConfig::max_connections`]) that reads frames and answers fast
+//! requests inline; `prepare_store` (which may wait for L1 space up to the
+//! service's admission timeout) runs on a thread of its own so that a
+//! pipelining client's other requests — e.g. the `finish_store` that frees
+//! the space — are never queued behind it. Replies go out under a
+//! per-connection write lock with a write timeout, so a client that stops
+//! reading loses its own connection and never blocks anyone else.
+//!
+//! Leases belong to ranks, not to connections: a client that disconnects
+//! with live leases leaves them live (its worker may still be copying), and
+//! any connection may finish them. The server remembers which rank obtained
+//! each lease and refuses a finish/poll/cancel that names another rank.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufReader, ErrorKind as IoKind};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::Prefix;
+use crate::manifest::Manifest;
+use crate::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig, ServiceStatus};
+
+use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, Request, Value, WireManifest};
+
+/// How long a new connection may take to send its hello.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the accept loop checks for shutdown.
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// Most `prepare_store` calls running on threads of their own at once
+/// (beyond it they run on the connection's thread).
+const MAX_OFFLOADED: usize = 256;
+/// A connection's read buffer is released after a frame larger than this.
+const KEEP_BUFFER: usize = 1 << 20;
+
+/// Settings of the RPC layer (the service has its own [`ServiceConfig`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// The socket path. Its directory is created with mode 0700 when missing;
+    /// an existing one must be owned by this user and not writable by others.
+    pub socket: PathBuf,
+    /// Largest frame payload accepted or sent, in bytes.
+    pub max_frame: usize,
+    /// Most connections served at once; more are refused at the handshake.
+    pub max_connections: usize,
+    /// A reply that cannot be written within this time closes its connection.
+    pub write_timeout: Duration,
+    /// How long [`Server::shutdown`] lets live leases drain.
+    pub drain_timeout: Duration,
+    /// Remove the socket's directory at shutdown (a temporary directory
+    /// made for this server, see [`temp_socket_path`]).
+    pub remove_dir_on_stop: bool,
+    /// Most leases whose owning rank is remembered (oldest forgotten first).
+    pub max_tracked_leases: usize,
+}
+
+impl ServerConfig {
+    /// Defaults for a server on `socket`.
+    pub fn new(socket: impl Into<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            socket: socket.into(),
+            max_frame: wire::DEFAULT_MAX_FRAME,
+            max_connections: 1024,
+            write_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(30),
+            remove_dir_on_stop: false,
+            max_tracked_leases: 1 << 16,
+        }
+    }
+}
+
+/// What a shutdown did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ShutdownReport {
+    /// Every lease finished within the drain bound.
+    pub drained: bool,
+    /// Leases (store + retrieve) still live when the server stopped.
+    pub live_leases: u64,
+    /// Why closing the service failed (it is then dropped, which still
+    /// drains its L2 queue); None when it closed cleanly.
+    pub close_error: Option<String>,
+}
+
+/// A fresh socket path `<tmp>/lmcache-rc-<pid>-<n>/sidecar.sock` in a new
+/// directory of mode 0700 (the embedded server's default).
+pub fn temp_socket_path() -> Result<PathBuf> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let base = std::env::temp_dir();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    for _ in 0..64 {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = base.join(format!("lmcache-rc-{}-{nanos:08x}-{n}", std::process::id()));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir.join("sidecar.sock")),
+            Err(e) if e.kind() == IoKind::AlreadyExists => continue,
+            Err(e) => return Err(Error::io(format!("create {}", dir.display()), e)),
+        }
+    }
+    Err(Error::invalid(format!(
+        "could not create a fresh socket directory under {}",
+        base.display()
+    )))
+}
+
+/// Which rank obtained a lease, and over which connection.
+#[derive(Debug, Clone, Copy)]
+struct LeaseOwner {
+    rank: u32,
+    conn: u64,
+}
+
+/// lease id → owner, bounded (oldest forgotten first).
+struct LeaseRegistry {
+    owners: HashMap<String, LeaseOwner>,
+    order: VecDeque<String>,
+    cap: usize,
+}
+
+impl LeaseRegistry {
+    fn new(cap: usize) -> Self {
+        LeaseRegistry {
+            owners: HashMap::new(),
+            order: VecDeque::new(),
+            cap: cap.max(1),
+        }
+    }
+    fn insert(&mut self, id: String, owner: LeaseOwner) {
+        if self.owners.insert(id.clone(), owner).is_none() {
+            self.order.push_back(id);
+        }
+        while self.owners.len() > self.cap {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.owners.remove(&old);
+                }
+                None => break,
+            }
+        }
+        if self.order.len() > 2 * self.cap + 16 {
+            let owners = &self.owners;
+            self.order.retain(|k| owners.contains_key(k));
+        }
+    }
+    fn remove(&mut self, id: &str) {
+        self.owners.remove(id);
+    }
+    fn check(&self, id: &str, rank: Option<u32>) -> Result<()> {
+        match (rank, self.owners.get(id)) {
+            (Some(rank), Some(owner)) if owner.rank != rank => Err(Error::invalid(format!(
+                "lease {id} belongs to rank {}, not rank {rank}",
+                owner.rank
+            ))),
+            _ => Ok(()),
+        }
+    }
+    fn held_by(&self, conn: u64) -> usize {
+        self.owners.values().filter(|o| o.conn == conn).count()
+    }
+}
+
+/// One served connection's write side.
+struct Conn {
+    id: u64,
+    writer: Mutex<UnixStream>,
+    dead: AtomicBool,
+}
+
+struct Registered {
+    stream: UnixStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    service: Arc<CheckpointService>,
+    config: ServerConfig,
+    socket_id: (u64, u64),
+    admitting: AtomicBool,
+    stopping: AtomicBool,
+    conns: Mutex<HashMap<u64, Registered>>,
+    next_conn: AtomicU64,
+    offloaded: AtomicUsize,
+    leases: Mutex<LeaseRegistry>,
+    requests: AtomicU64,
+    protocol_errors: AtomicU64,
+    connections_total: AtomicU64,
+}
+
+/// A running RPC server (see the [module docs](self)). Stops at
+/// [`Server::shutdown`] or, without draining, when dropped.
+pub struct Server {
+    shared: Arc<Shared>,
+    accept: Mutex<Option<JoinHandle<()>>>,
+    report: Mutex<Option<ShutdownReport>>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("socket", &self.shared.config.socket)
+            .field("service", &self.shared.service)
+            .finish()
+    }
+}
+
+impl Server {
+    /// Binds the socket, then opens the service (so a live server on the same
+    /// socket is detected before its pool could be replaced), then serves.
+    pub fn open(service: ServiceConfig, config: ServerConfig) -> Result<Server> {
+        let (listener, socket_id) = bind_socket(&config.socket)?;
+        match CheckpointService::open(service) {
+            Ok(svc) => Self::serve(Arc::new(svc), config, listener, socket_id),
+            Err(e) => {
+                remove_socket(&config.socket, socket_id);
+                if config.remove_dir_on_stop {
+                    remove_dir(&config.socket);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Serves an already opened service.
+    pub fn start(service: Arc<CheckpointService>, config: ServerConfig) -> Result<Server> {
+        let (listener, socket_id) = bind_socket(&config.socket)?;
+        Self::serve(service, config, listener, socket_id)
+    }
+
+    fn serve(
+        service: Arc<CheckpointService>,
+        config: ServerConfig,
+        listener: UnixListener,
+        socket_id: (u64, u64),
+    ) -> Result<Server> {
+        if let Err(e) = listener.set_nonblocking(true) {
+            remove_socket(&config.socket, socket_id);
+            return Err(Error::io("make the RPC listener non-blocking", e));
+        }
+        let shared = Arc::new(Shared {
+            service,
+            leases: Mutex::new(LeaseRegistry::new(config.max_tracked_leases)),
+            config,
+            socket_id,
+            admitting: AtomicBool::new(true),
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            offloaded: AtomicUsize::new(0),
+            requests: AtomicU64::new(0),
+            protocol_errors: AtomicU64::new(0),
+            connections_total: AtomicU64::new(0),
+        });
+        let for_thread = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("lmcache-rc-accept".into())
+            .spawn(move || accept_loop(for_thread, listener))
+            .map_err(|e| {
+                remove_socket(&shared.config.socket, shared.socket_id);
+                Error::io("spawn the RPC accept thread", e)
+            })?;
+        log::info!(
+            "lmcache-rc RPC server listening on {}",
+            shared.config.socket.display()
+        );
+        Ok(Server {
+            shared,
+            accept: Mutex::new(Some(accept)),
+            report: Mutex::new(None),
+        })
+    }
+
+    /// The socket clients connect to.
+    pub fn socket_path(&self) -> &Path {
+        &self.shared.config.socket
+    }
+
+    /// The service behind the server (in-process callers and tests).
+    pub fn service(&self) -> &Arc<CheckpointService> {
+        &self.shared.service
+    }
+
+    /// The service's status plus the RPC layer's counters
+    /// (`rpc_connections`, `rpc_requests`, `rpc_protocol_errors`,
+    /// `rpc_connections_total`).
+    pub fn status(&self) -> Result<ServiceStatus> {
+        status_of(&self.shared)
+    }
+
+    /// Whether [`Server::shutdown`] ran.
+    pub fn is_stopped(&self) -> bool {
+        self.report.lock().is_some()
+    }
+
+    /// Graceful shutdown with the configured drain bound.
+    pub fn shutdown(&self) -> Result<ShutdownReport> {
+        self.shutdown_with(self.shared.config.drain_timeout)
+    }
+
+    /// Graceful shutdown: stop admitting new work (begin answers false,
+    /// prepare_store and begin_retrieve miss with reason `shutdown`) while
+    /// connections keep being served; wait up to `drain` for live leases to
+    /// finish; stop accepting and close every connection; close the service
+    /// (drains the L2 queue, closes the directory); remove the socket.
+    /// Idempotent: a second call returns the first report.
+    pub fn shutdown_with(&self, drain: Duration) -> Result<ShutdownReport> {
+        let mut report_slot = self.report.lock();
+        if let Some(report) = report_slot.as_ref() {
+            return Ok(report.clone());
+        }
+        let shared = &self.shared;
+        shared.admitting.store(false, Ordering::SeqCst);
+        let deadline = Instant::now() + drain;
+        let mut live = live_leases(shared);
+        while (live > 0 || shared.offloaded.load(Ordering::SeqCst) > 0) && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+            live = live_leases(shared);
+        }
+        let drained = live == 0;
+        if !drained {
+            log::warn!("shutting down with {live} live lease(s) after a {drain:?} drain");
+        }
+        shared.stopping.store(true, Ordering::SeqCst);
+        if let Some(accept) = self.accept.lock().take() {
+            let _ = accept.join();
+        }
+        let conns: Vec<Registered> = shared.conns.lock().drain().map(|(_, r)| r).collect();
+        for r in &conns {
+            let _ = r.stream.shutdown(std::net::Shutdown::Both);
+        }
+        for r in conns {
+            if let Some(t) = r.thread {
+                let _ = t.join();
+            }
+        }
+        // prepare_store calls on threads of their own end within the
+        // service's admission timeout; wait for them (bounded) so the close
+        // below sees their leases.
+        let bound = Instant::now() + Duration::from_secs(10);
+        while shared.offloaded.load(Ordering::SeqCst) > 0 && Instant::now() < bound {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let live = live_leases(shared);
+        let close_error = match shared.service.close() {
+            Ok(()) => None,
+            Err(e) => {
+                log::warn!("closing the checkpoint service at shutdown: {e}");
+                Some(e.to_string())
+            }
+        };
+        remove_socket(&shared.config.socket, shared.socket_id);
+        if shared.config.remove_dir_on_stop {
+            remove_dir(&shared.config.socket);
+        }
+        let report = ShutdownReport {
+            drained,
+            live_leases: live,
+            close_error,
+        };
+        log::info!(
+            "lmcache-rc RPC server on {} stopped: {report:?}",
+            shared.config.socket.display()
+        );
+        *report_slot = Some(report.clone());
+        Ok(report)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown_with(Duration::ZERO) {
+            log::warn!("RPC server shutdown failed: {e}");
+        }
+    }
+}
+
+fn live_leases(shared: &Shared) -> u64 {
+    match shared.service.status() {
+        Ok(s) => {
+            let v = |k: &str| s.values.get(k).copied().unwrap_or(0);
+            v("store_leases") + v("retrieve_leases")
+        }
+        Err(_) => 0,
+    }
+}
+
+fn status_of(shared: &Shared) -> Result<ServiceStatus> {
+    let mut s = shared.service.status()?;
+    s.values
+        .insert("rpc_connections", shared.conns.lock().len() as u64);
+    s.values.insert(
+        "rpc_connections_total",
+        shared.connections_total.load(Ordering::Relaxed),
+    );
+    s.values
+        .insert("rpc_requests", shared.requests.load(Ordering::Relaxed));
+    s.values.insert(
+        "rpc_protocol_errors",
+        shared.protocol_errors.load(Ordering::Relaxed),
+    );
+    Ok(s)
+}
+
+// ---------------------------------------------------------------------------
+// The socket
+
+fn stat_id(meta: &std::fs::Metadata) -> (u64, u64) {
+    (meta.dev(), meta.ino())
+}
+
+/// Creates the directory (0700) if needed and checks an existing one;
+/// refuses a socket path that a live server answers on; binds under a
+/// temporary name, sets mode 0600, and renames it into place (so the socket
+/// is never reachable with a wider mode under its final name).
+fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64))> {
+    let name = path.file_name().ok_or_else(|| {
+        Error::invalid(format!("socket path {} has no file name", path.display()))
+    })?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| Error::io(format!("create socket directory {}", dir.display()), e))?;
+    }
+    let meta = std::fs::metadata(&dir)
+        .map_err(|e| Error::io(format!("stat socket directory {}", dir.display()), e))?;
+    let uid = rustix::process::geteuid().as_raw();
+    if !meta.is_dir() {
+        return Err(Error::invalid(format!(
+            "socket directory {} is not a directory",
+            dir.display()
+        )));
+    }
+    if meta.uid() != uid || meta.permissions().mode() & 0o022 != 0 {
+        return Err(Error::invalid(format!(
+            "socket directory {} must be owned by this user (uid {uid}) and not writable by \
+             group or others (it is uid {}, mode {:o}); choose a private directory",
+            dir.display(),
+            meta.uid(),
+            meta.permissions().mode() & 0o7777
+        )));
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(existing) if existing.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(Error::io(
+                    format!("bind {}", path.display()),
+                    std::io::Error::new(
+                        IoKind::AddrInUse,
+                        "another lmcache-rc server is listening on this socket",
+                    ),
+                ));
+            }
+            log::info!("replacing stale socket {}", path.display());
+        }
+        Ok(_) => {
+            return Err(Error::invalid(format!(
+                "{} exists and is not a socket; choose another socket path",
+                path.display()
+            )));
+        }
+        Err(_) => {}
+    }
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let tmp = dir.join(format!(
+        ".lmrc-{}-{}.tmp",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    let listener =
+        UnixListener::bind(&tmp).map_err(|e| Error::io(format!("bind {}", tmp.display()), e))?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| Error::io(format!("chmod 0600 {}", tmp.display()), e))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|e| {
+                Error::io(
+                    format!("rename {} to {}", tmp.display(), name.to_string_lossy()),
+                    e,
+                )
+            })
+        })
+        .and_then(|()| {
+            std::fs::symlink_metadata(path)
+                .map(|m| stat_id(&m))
+                .map_err(|e| Error::io(format!("stat {}", path.display()), e))
+        });
+    match placed {
+        Ok(id) => Ok((listener, id)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// Removes the socket file if it still is ours (a newer server's is kept).
+fn remove_socket(path: &Path, id: (u64, u64)) {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if stat_id(&meta) == id {
+            if let Err(e) = std::fs::remove_file(path) {
+                log::warn!("could not remove socket {}: {e}", path.display());
+            }
+        }
+    }
+}
+
+fn remove_dir(socket: &Path) {
+    if let Some(dir) = socket.parent() {
+        if let Err(e) = std::fs::remove_dir(dir) {
+            log::debug!("socket directory {} not removed: {e}", dir.display());
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Accepting and serving connections
+
+fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    let timeout = Timespec {
+        tv_sec: 0,
+        tv_nsec: ACCEPT_POLL.as_nanos() as _,
+    };
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
+        match poll(&mut fds, Some(&timeout)) {
+            Ok(0) => continue,
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                log::warn!("polling the RPC listener failed: {e}");
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        }
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == IoKind::WouldBlock || e.kind() == IoKind::Interrupted => {
+                continue;
+            }
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                log::warn!("accepting an RPC connection failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if shared.stopping.load(Ordering::SeqCst) {
+            break;
+        }
+        admit(&shared, stream);
+    }
+}
+
+fn admit(shared: &Arc<Shared>, stream: UnixStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_write_timeout(Some(shared.config.write_timeout));
+    let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+    let clone = match stream.try_clone() {
+        Ok(c) => c,
+        Err(e) => {
+            log::warn!("cannot serve an RPC connection: {e}");
+            return;
+        }
+    };
+    {
+        let mut conns = shared.conns.lock();
+        if conns.len() >= shared.config.max_connections {
+            drop(conns);
+            refuse(
+                stream,
+                &format!(
+                    "too many connections (the limit is {}); retry later",
+                    shared.config.max_connections
+                ),
+            );
+            return;
+        }
+        conns.insert(
+            id,
+            Registered {
+                stream: clone,
+                thread: None,
+            },
+        );
+    }
+    shared.connections_total.fetch_add(1, Ordering::Relaxed);
+    let for_thread = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("lmcache-rc-conn-{id}"))
+        .spawn(move || serve_connection(for_thread, id, stream));
+    match spawned {
+        Ok(handle) => {
+            if let Some(r) = shared.conns.lock().get_mut(&id) {
+                r.thread = Some(handle);
+            }
+        }
+        Err(e) => {
+            log::warn!("cannot spawn a thread for an RPC connection: {e}");
+            if let Some(r) = shared.conns.lock().remove(&id) {
+                let _ = r.stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// Answers with a refusal (best effort, before even reading the hello: a
+/// Unix socket keeps the welcome readable after close) and closes.
+fn refuse(stream: UnixStream, message: &str) {
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(200)));
+    let _ = send_all(&stream, &wire::encode_welcome(0, message));
+}
+
+/// Writes all of `frame` (no SIGPIPE; honours the socket's write timeout).
+fn send_all(stream: &UnixStream, frame: &[u8]) -> std::io::Result<()> {
+    use rustix::net::{SendFlags, send};
+    let mut sent = 0;
+    while sent < frame.len() {
+        match send(stream.as_fd(), &frame[sent..], SendFlags::NOSIGNAL) {
+            Ok(0) => return Err(std::io::Error::new(IoKind::WriteZero, "socket closed")),
+            Ok(n) => sent += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+impl Conn {
+    fn send(&self, shared: &Shared, id: u64, reply: &Reply) {
+        if self.dead.load(Ordering::Relaxed) {
+            return;
+        }
+        let frame = match wire::encode_reply(id, reply, shared.config.max_frame) {
+            Ok(f) => f,
+            Err(e) => {
+                match wire::encode_reply(id, &Reply::from_result(Err(e)), shared.config.max_frame) {
+                    Ok(f) => f,
+                    Err(_) => return,
+                }
+            }
+        };
+        let writer = self.writer.lock();
+        if let Err(e) = send_all(&writer, &frame) {
+            log::info!(
+                "RPC connection {}: reply not delivered ({e}); closing it",
+                self.id
+            );
+            self.dead.store(true, Ordering::SeqCst);
+            let _ = writer.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+fn serve_connection(shared: Arc<Shared>, id: u64, stream: UnixStream) {
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            log::warn!("RPC connection {id}: {e}");
+            shared.conns.lock().remove(&id);
+            return;
+        }
+    };
+    let conn = Arc::new(Conn {
+        id,
+        writer: Mutex::new(writer),
+        dead: AtomicBool::new(false),
+    });
+    if handshake(&shared, &conn, &stream) {
+        read_requests(&shared, &conn, stream);
+    }
+    // Close now, even while a prepare_store of this connection still runs
+    // on its own thread (its reply then goes nowhere; the lease stays live).
+    let _ = conn.writer.lock().shutdown(std::net::Shutdown::Both);
+    shared.conns.lock().remove(&id);
+    let held = shared.leases.lock().held_by(id);
+    if held > 0 {
+        log::info!(
+            "RPC connection {id} closed with {held} live lease(s); they stay live until \
+             finished (any connection may finish them) or reclaimed"
+        );
+    }
+}
+
+/// Reads the hello and answers it; false = the connection is done.
+fn handshake(shared: &Shared, conn: &Conn, stream: &UnixStream) -> bool {
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut buf = Vec::new();
+    let mut reader = stream;
+    let hello = match wire::read_frame(&mut reader, 64, &mut buf) {
+        Ok(()) => wire::decode_hello(&buf),
+        Err(FrameError::Eof) => return false,
+        Err(e) => Err(Error::Protocol(format!("no valid hello: {e}"))),
+    };
+    let answer = hello.and_then(|(min, max)| negotiate_err(min, max));
+    let (version, message) = match &answer {
+        Ok(v) => (*v, String::new()),
+        Err(e) => (0, e.to_string()),
+    };
+    let welcome = wire::encode_welcome(version, &message);
+    let sent = send_all(&conn.writer.lock(), &welcome);
+    if let Err(e) = &answer {
+        shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        log::info!("RPC connection {}: handshake refused: {e}", conn.id);
+        return false;
+    }
+    let _ = stream.set_read_timeout(None);
+    sent.is_ok()
+}
+
+fn negotiate_err(min: u32, max: u32) -> Result<u32> {
+    wire::negotiate(min, max).map_err(Error::Protocol)
+}
+
+fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
+    let mut reader = BufReader::with_capacity(64 << 10, stream);
+    let mut buf = Vec::new();
+    loop {
+        if conn.dead.load(Ordering::Relaxed) {
+            break;
+        }
+        match wire::read_frame(&mut reader, shared.config.max_frame, &mut buf) {
+            Ok(()) => {}
+            Err(FrameError::Eof) => break,
+            Err(e @ FrameError::Oversize { .. }) => {
+                shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                let msg = format!("{e}; closing the connection");
+                conn.send(
+                    shared,
+                    CONNECTION_ERROR_ID,
+                    &Reply::error(ErrorKind::Protocol, msg),
+                );
+                break;
+            }
+            Err(e) => {
+                if !matches!(e, FrameError::Io(_)) {
+                    shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                log::debug!("RPC connection {}: {e}", conn.id);
+                break;
+            }
+        }
+        let (rid, body) = match wire::split_id(&buf) {
+            Ok((rid, _)) if rid == CONNECTION_ERROR_ID => {
+                shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                conn.send(
+                    shared,
+                    CONNECTION_ERROR_ID,
+                    &Reply::error(
+                        ErrorKind::Protocol,
+                        "request id 0 is reserved; closing the connection",
+                    ),
+                );
+                break;
+            }
+            Ok(x) => x,
+            Err(e) => {
+                shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                conn.send(shared, CONNECTION_ERROR_ID, &Reply::from_result(Err(e)));
+                break;
+            }
+        };
+        shared.requests.fetch_add(1, Ordering::Relaxed);
+        match wire::decode_request(body) {
+            Ok(request) => dispatch(shared, conn, rid, request),
+            Err(e) => {
+                shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                conn.send(shared, rid, &Reply::from_result(Err(e)));
+            }
+        }
+        if buf.capacity() > KEEP_BUFFER {
+            buf = Vec::new();
+        }
+    }
+}
+
+/// Runs a request inline, or on a thread of its own when it may wait long.
+fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, rid: u64, request: Request) {
+    let may_wait = matches!(request, Request::PrepareStore { .. });
+    if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
+        let (s, c) = (shared.clone(), conn.clone());
+        let job = move || {
+            let reply = run(&s, c.id, request);
+            c.send(&s, rid, &reply);
+            s.offloaded.fetch_sub(1, Ordering::SeqCst);
+        };
+        let spawned = std::thread::Builder::new()
+            .name("lmcache-rc-prepare".into())
+            .spawn(job);
+        if let Err(e) = spawned {
+            // The closure (and the request) went with the failed spawn.
+            shared.offloaded.fetch_sub(1, Ordering::SeqCst);
+            conn.send(
+                shared,
+                rid,
+                &Reply::error(
+                    ErrorKind::Unavailable,
+                    format!("the server cannot start a thread for prepare_store: {e}"),
+                ),
+            );
+        }
+        return;
+    }
+    if may_wait {
+        shared.offloaded.fetch_sub(1, Ordering::SeqCst);
+    }
+    let reply = run(shared, conn.id, request);
+    conn.send(shared, rid, &reply);
+}
+
+/// Executes one request; a panic becomes an `Internal` error reply (I9).
+fn run(shared: &Shared, conn: u64, request: Request) -> Reply {
+    let name = request.name();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        execute(shared, conn, request)
+    }));
+    match outcome {
+        Ok(result) => Reply::from_result(result),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            log::error!("RPC {name} panicked: {what}");
+            Reply::error(
+                ErrorKind::Internal,
+                format!("the server failed while handling {name}: {what}"),
+            )
+        }
+    }
+}
+
+fn shutdown_miss() -> Lease {
+    Lease {
+        status: LeaseStatus::Miss,
+        lease_id: None,
+        slots: Vec::new(),
+        reason: Some("shutdown"),
+    }
+}
+
+fn execute(shared: &Shared, conn: u64, request: Request) -> Result<Value> {
+    let svc = &*shared.service;
+    let admitting = || shared.admitting.load(Ordering::SeqCst);
+    match request {
+        Request::Capabilities => Ok(Value::Capabilities(svc.capabilities().into())),
+        Request::Find { roots } => {
+            let roots = roots
+                .into_iter()
+                .map(Prefix::try_from)
+                .collect::<Result<Vec<_>>>()?;
+            let found = svc.find(&roots)?;
+            Ok(Value::Manifest(found.as_ref().map(WireManifest::from)))
+        }
+        Request::Begin { manifest } => {
+            let manifest = Manifest::try_from(manifest)?;
+            if !admitting() {
+                return Ok(Value::Bool(false));
+            }
+            svc.begin(&manifest).map(Value::Bool)
+        }
+        Request::Abort { generation } => svc.abort(&generation).map(|()| Value::Unit),
+        Request::PrepareStore { manifest, rank } => {
+            let manifest = Manifest::try_from(manifest)?;
+            if !admitting() {
+                return Ok(Value::Lease(shutdown_miss().into()));
+            }
+            let lease = svc.prepare_store(&manifest, rank)?;
+            remember(shared, &lease, rank, conn);
+            Ok(Value::Lease(lease.into()))
+        }
+        Request::FinishStore {
+            lease_id,
+            success,
+            rank,
+        } => {
+            shared.leases.lock().check(&lease_id, rank)?;
+            let published = svc.finish_store(&lease_id, success);
+            shared.leases.lock().remove(&lease_id);
+            published.map(Value::Bool)
+        }
+        Request::BeginRetrieve { manifest, rank } => {
+            let manifest = Manifest::try_from(manifest)?;
+            if !admitting() {
+                return Ok(Value::Lease(shutdown_miss().into()));
+            }
+            let lease = svc.begin_retrieve(&manifest, rank)?;
+            remember(shared, &lease, rank, conn);
+            Ok(Value::Lease(lease.into()))
+        }
+        Request::PollRetrieve { lease_id, rank } => {
+            shared.leases.lock().check(&lease_id, rank)?;
+            match svc.poll_retrieve(&lease_id) {
+                Ok(lease) => {
+                    if lease.status == LeaseStatus::Miss {
+                        shared.leases.lock().remove(&lease_id);
+                    }
+                    Ok(Value::Lease(lease.into()))
+                }
+                Err(e) => {
+                    if e.kind() == ErrorKind::NotFound {
+                        shared.leases.lock().remove(&lease_id);
+                    }
+                    Err(e)
+                }
+            }
+        }
+        Request::FinishRetrieve { lease_id, rank } => {
+            shared.leases.lock().check(&lease_id, rank)?;
+            svc.finish_retrieve(&lease_id)?;
+            shared.leases.lock().remove(&lease_id);
+            Ok(Value::Unit)
+        }
+        Request::CancelRetrieve { lease_id, rank } => {
+            shared.leases.lock().check(&lease_id, rank)?;
+            svc.cancel_retrieve(&lease_id)?;
+            shared.leases.lock().remove(&lease_id);
+            Ok(Value::Unit)
+        }
+        Request::Status => Ok(Value::Status(status_of(shared)?.into())),
+        Request::Clear { force, all_tiers } => {
+            svc.clear(force, all_tiers).map(|r| Value::Clear(r.into()))
+        }
+        Request::ListGenerations => svc
+            .list_generations()
+            .map(|g| Value::Generations(g.into_iter().map(Into::into).collect())),
+    }
+}
+
+fn remember(shared: &Shared, lease: &Lease, rank: u32, conn: u64) {
+    if let Some(id) = &lease.lease_id {
+        if matches!(lease.status, LeaseStatus::Ready | LeaseStatus::Pending) {
+            shared
+                .leases
+                .lock()
+                .insert(id.clone(), LeaseOwner { rank, conn });
+        }
+    }
+}

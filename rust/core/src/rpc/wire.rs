@@ -1,0 +1,876 @@
+//! Frames, messages and the version handshake (see the [module docs](super)
+//! for the byte layout).
+//!
+//! Everything here is pure: encoding and decoding never touch a socket
+//! except through [`read_frame`], which reads one length-prefixed frame from
+//! any [`Read`]. Decoding never panics on input: a malformed frame is a
+//! [`FrameError`] or an [`Error::Protocol`], an invalid value (a prefix or
+//! manifest the core refuses) an [`Error::InvalidInput`].
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{self, Read};
+use std::sync::{Mutex, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::Prefix;
+use crate::manifest::Manifest;
+use crate::service::{
+    Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, ServiceStatus,
+};
+
+/// First bytes of both handshake frames.
+pub const MAGIC: [u8; 4] = *b"LMRC";
+/// The protocol version this build speaks (also announced in capabilities).
+pub const PROTOCOL_VERSION: u32 = crate::service::PROTOCOL_VERSION;
+/// The oldest protocol version this build speaks.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
+/// Default limit of one frame's payload (requests and replies): 64 MiB.
+pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
+/// Bytes of the length prefix.
+pub const LEN_BYTES: usize = 4;
+/// Bytes of the request id at the start of every request and reply payload.
+pub const ID_BYTES: usize = 8;
+/// The request id of a connection-level error reply (the server closes the
+/// connection after sending it). Clients number requests from 1.
+pub const CONNECTION_ERROR_ID: u64 = 0;
+
+// ---------------------------------------------------------------------------
+// Messages
+
+/// A prefix as carried on the wire (validated into a [`Prefix`] on receipt).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePrefix {
+    /// See [`Prefix::namespace`].
+    pub namespace: String,
+    /// See [`Prefix::start_tokens`].
+    pub start_tokens: u64,
+    /// See [`Prefix::prefix_hash`] (empty or 32 bytes).
+    #[serde(with = "serde_bytes")]
+    pub prefix_hash: Vec<u8>,
+    /// See [`Prefix::tail_tokens`].
+    pub tail_tokens: Vec<u32>,
+}
+
+impl From<&Prefix> for WirePrefix {
+    fn from(p: &Prefix) -> Self {
+        WirePrefix {
+            namespace: p.namespace().to_string(),
+            start_tokens: p.start_tokens(),
+            prefix_hash: p.prefix_hash().to_vec(),
+            tail_tokens: p.tail_tokens().to_vec(),
+        }
+    }
+}
+
+impl TryFrom<WirePrefix> for Prefix {
+    type Error = Error;
+    fn try_from(p: WirePrefix) -> Result<Prefix> {
+        Prefix::new(p.namespace, p.start_tokens, p.prefix_hash, p.tail_tokens)
+    }
+}
+
+/// A manifest as carried on the wire (validated into a [`Manifest`] on receipt).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireManifest {
+    /// See [`Manifest::generation`].
+    pub generation: String,
+    /// See [`Manifest::prefix`].
+    pub prefix: WirePrefix,
+    /// See [`Manifest::world_size`].
+    pub world_size: u32,
+    /// See [`Manifest::payload`] (the exact JSON bytes).
+    #[serde(with = "serde_bytes")]
+    pub payload: Vec<u8>,
+}
+
+impl From<&Manifest> for WireManifest {
+    fn from(m: &Manifest) -> Self {
+        WireManifest {
+            generation: m.generation().to_string(),
+            prefix: m.prefix().into(),
+            world_size: m.world_size(),
+            payload: m.payload().to_vec(),
+        }
+    }
+}
+
+impl TryFrom<WireManifest> for Manifest {
+    type Error = Error;
+    fn try_from(m: WireManifest) -> Result<Manifest> {
+        Manifest::new(
+            m.generation,
+            Prefix::try_from(m.prefix)?,
+            m.world_size,
+            m.payload,
+        )
+    }
+}
+
+/// One request per service operation. The variant index is the request type
+/// on the wire: **append only**, never reorder (a change is a new protocol
+/// version). `rank`, where present, is optional: when given, the server
+/// refuses (InvalidInput) a lease call for a lease another rank obtained.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// 0 — pool name and size, versions, durability. Reply: `Capabilities`.
+    Capabilities,
+    /// 1 — the longest listed generation matching the roots. Reply: `Manifest`.
+    Find {
+        /// All roots of the request's token sequence.
+        roots: Vec<WirePrefix>,
+    },
+    /// 2 — stages a generation. Reply: `Bool`.
+    Begin {
+        /// The generation to stage.
+        manifest: WireManifest,
+    },
+    /// 3 — aborts a pending generation. Reply: `Unit`.
+    Abort {
+        /// The generation id.
+        generation: String,
+    },
+    /// 4 — leases slots for one rank's pages. Reply: `Lease`.
+    PrepareStore {
+        /// The pending generation.
+        manifest: WireManifest,
+        /// The storing rank.
+        rank: u32,
+    },
+    /// 5 — ends a store lease. Reply: `Bool` (true only for the publishing call).
+    FinishStore {
+        /// The lease.
+        lease_id: String,
+        /// Whether the copy succeeded (and drained).
+        success: bool,
+        /// The caller's rank, if it wants it checked.
+        rank: Option<u32>,
+    },
+    /// 6 — starts restoring one rank. Reply: `Lease`.
+    BeginRetrieve {
+        /// The listed generation.
+        manifest: WireManifest,
+        /// The restoring rank.
+        rank: u32,
+    },
+    /// 7 — polls a retrieve. Reply: `Lease`.
+    PollRetrieve {
+        /// The lease.
+        lease_id: String,
+        /// The caller's rank, if it wants it checked.
+        rank: Option<u32>,
+    },
+    /// 8 — ends an exposed retrieve lease. Reply: `Unit`.
+    FinishRetrieve {
+        /// The lease.
+        lease_id: String,
+        /// The caller's rank, if it wants it checked.
+        rank: Option<u32>,
+    },
+    /// 9 — cancels an unexposed retrieve. Reply: `Unit`.
+    CancelRetrieve {
+        /// The lease.
+        lease_id: String,
+        /// The caller's rank, if it wants it checked.
+        rank: Option<u32>,
+    },
+    /// 10 — counters and gauges. Reply: `Status`.
+    Status,
+    /// 11 — drops L1 (and with `all_tiers` L2) copies. Reply: `Clear`.
+    Clear {
+        /// Refused while leases are live; drops everything otherwise.
+        force: bool,
+        /// Also delete L2 files.
+        all_tiers: bool,
+    },
+    /// 12 — every listed generation (operators' `inspect`). Reply: `Generations`.
+    ListGenerations,
+}
+
+impl Request {
+    /// The operation's name (logs and error messages).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Capabilities => "capabilities",
+            Request::Find { .. } => "find",
+            Request::Begin { .. } => "begin",
+            Request::Abort { .. } => "abort",
+            Request::PrepareStore { .. } => "prepare_store",
+            Request::FinishStore { .. } => "finish_store",
+            Request::BeginRetrieve { .. } => "begin_retrieve",
+            Request::PollRetrieve { .. } => "poll_retrieve",
+            Request::FinishRetrieve { .. } => "finish_retrieve",
+            Request::CancelRetrieve { .. } => "cancel_retrieve",
+            Request::Status => "status",
+            Request::Clear { .. } => "clear",
+            Request::ListGenerations => "list_generations",
+        }
+    }
+}
+
+/// [`Capabilities`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireCapabilities {
+    /// Slot/layout format version (1).
+    pub format_version: u32,
+    /// RPC protocol version.
+    pub protocol_version: u32,
+    /// The SHM pool's name.
+    pub shm_name: String,
+    /// The SHM pool's size in bytes.
+    pub pool_size: u64,
+    /// Whether the directory survives restarts.
+    pub durable_index: bool,
+}
+
+impl From<Capabilities> for WireCapabilities {
+    fn from(c: Capabilities) -> Self {
+        WireCapabilities {
+            format_version: c.format_version,
+            protocol_version: c.protocol_version,
+            shm_name: c.shm_name,
+            pool_size: c.pool_size,
+            durable_index: c.durable_index,
+        }
+    }
+}
+
+impl From<WireCapabilities> for Capabilities {
+    fn from(c: WireCapabilities) -> Self {
+        Capabilities {
+            format_version: c.format_version,
+            protocol_version: c.protocol_version,
+            shm_name: c.shm_name,
+            pool_size: c.pool_size,
+            durable_index: c.durable_index,
+        }
+    }
+}
+
+/// [`LeaseStatus`] on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireLeaseStatus {
+    /// See [`LeaseStatus::Ready`].
+    Ready,
+    /// See [`LeaseStatus::Busy`].
+    Busy,
+    /// See [`LeaseStatus::Miss`].
+    Miss,
+    /// See [`LeaseStatus::Pending`].
+    Pending,
+}
+
+/// [`Lease`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLease {
+    /// ready | busy | miss | pending.
+    pub status: WireLeaseStatus,
+    /// The lease to finish (ready/pending).
+    pub lease_id: Option<String>,
+    /// Per page group, per page: `(offset, length)`, or None (store: do not copy).
+    pub slots: Vec<Vec<Option<(u64, u64)>>>,
+    /// Why a miss happened.
+    pub reason: Option<String>,
+}
+
+impl From<Lease> for WireLease {
+    fn from(l: Lease) -> Self {
+        WireLease {
+            status: match l.status {
+                LeaseStatus::Ready => WireLeaseStatus::Ready,
+                LeaseStatus::Busy => WireLeaseStatus::Busy,
+                LeaseStatus::Miss => WireLeaseStatus::Miss,
+                LeaseStatus::Pending => WireLeaseStatus::Pending,
+            },
+            lease_id: l.lease_id,
+            slots: l.slots,
+            reason: l.reason.map(str::to_string),
+        }
+    }
+}
+
+impl From<WireLease> for Lease {
+    fn from(l: WireLease) -> Self {
+        Lease {
+            status: match l.status {
+                WireLeaseStatus::Ready => LeaseStatus::Ready,
+                WireLeaseStatus::Busy => LeaseStatus::Busy,
+                WireLeaseStatus::Miss => LeaseStatus::Miss,
+                WireLeaseStatus::Pending => LeaseStatus::Pending,
+            },
+            lease_id: l.lease_id,
+            slots: l.slots,
+            reason: l.reason.as_deref().map(intern),
+        }
+    }
+}
+
+/// [`ServiceStatus`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireStatus {
+    /// Integer gauges and counters by name.
+    pub values: Vec<(String, u64)>,
+    /// Misses by reason.
+    pub misses: Vec<(String, u64)>,
+}
+
+impl From<ServiceStatus> for WireStatus {
+    fn from(s: ServiceStatus) -> Self {
+        WireStatus {
+            values: s
+                .values
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+            misses: s.misses.into_iter().collect(),
+        }
+    }
+}
+
+impl From<WireStatus> for ServiceStatus {
+    fn from(s: WireStatus) -> Self {
+        let values: BTreeMap<&'static str, u64> =
+            s.values.iter().map(|(k, v)| (intern(k), *v)).collect();
+        ServiceStatus {
+            values,
+            misses: s.misses.into_iter().collect(),
+        }
+    }
+}
+
+/// [`ClearReport`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireClear {
+    /// L1 objects dropped.
+    pub l1_objects: u64,
+    /// L1 bytes freed.
+    pub l1_bytes: u64,
+    /// L2 objects deleted.
+    pub l2_objects: u64,
+    /// Generations retired.
+    pub retired_generations: u64,
+    /// Objects kept because a lease or pin held them.
+    pub kept_objects: u64,
+}
+
+impl From<ClearReport> for WireClear {
+    fn from(r: ClearReport) -> Self {
+        WireClear {
+            l1_objects: r.l1_objects,
+            l1_bytes: r.l1_bytes,
+            l2_objects: r.l2_objects,
+            retired_generations: r.retired_generations,
+            kept_objects: r.kept_objects,
+        }
+    }
+}
+
+impl From<WireClear> for ClearReport {
+    fn from(r: WireClear) -> Self {
+        ClearReport {
+            l1_objects: r.l1_objects,
+            l1_bytes: r.l1_bytes,
+            l2_objects: r.l2_objects,
+            retired_generations: r.retired_generations,
+            kept_objects: r.kept_objects,
+        }
+    }
+}
+
+/// The value of a successful reply. Append only, like [`Request`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Value {
+    /// 0 — no value (abort, finish_retrieve, cancel_retrieve).
+    Unit,
+    /// 1 — begin, finish_store.
+    Bool(bool),
+    /// 2 — capabilities.
+    Capabilities(WireCapabilities),
+    /// 3 — find.
+    Manifest(Option<WireManifest>),
+    /// 4 — prepare_store, begin_retrieve, poll_retrieve.
+    Lease(WireLease),
+    /// 5 — status.
+    Status(WireStatus),
+    /// 6 — clear.
+    Clear(WireClear),
+    /// 7 — list_generations.
+    Generations(Vec<WireGeneration>),
+}
+
+impl Value {
+    /// The variant's name (error messages).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Value::Unit => "Unit",
+            Value::Bool(_) => "Bool",
+            Value::Capabilities(_) => "Capabilities",
+            Value::Manifest(_) => "Manifest",
+            Value::Lease(_) => "Lease",
+            Value::Status(_) => "Status",
+            Value::Clear(_) => "Clear",
+            Value::Generations(_) => "Generations",
+        }
+    }
+
+    fn unexpected(&self, wanted: &str) -> Error {
+        Error::Protocol(format!(
+            "the server answered a {} value where {wanted} was expected",
+            self.name()
+        ))
+    }
+
+    /// `Unit`, else a protocol error.
+    pub fn into_unit(self) -> Result<()> {
+        match self {
+            Value::Unit => Ok(()),
+            other => Err(other.unexpected("Unit")),
+        }
+    }
+    /// `Bool`, else a protocol error.
+    pub fn into_bool(self) -> Result<bool> {
+        match self {
+            Value::Bool(b) => Ok(b),
+            other => Err(other.unexpected("Bool")),
+        }
+    }
+    /// `Capabilities`, else a protocol error.
+    pub fn into_capabilities(self) -> Result<Capabilities> {
+        match self {
+            Value::Capabilities(c) => Ok(c.into()),
+            other => Err(other.unexpected("Capabilities")),
+        }
+    }
+    /// `Manifest` (validated), else a protocol error.
+    pub fn into_manifest(self) -> Result<Option<Manifest>> {
+        match self {
+            Value::Manifest(m) => m
+                .map(Manifest::try_from)
+                .transpose()
+                .map_err(|e| Error::Protocol(format!("the server sent an invalid manifest: {e}"))),
+            other => Err(other.unexpected("Manifest")),
+        }
+    }
+    /// `Lease`, else a protocol error.
+    pub fn into_lease(self) -> Result<Lease> {
+        match self {
+            Value::Lease(l) => Ok(l.into()),
+            other => Err(other.unexpected("Lease")),
+        }
+    }
+    /// `Status`, else a protocol error.
+    pub fn into_status(self) -> Result<ServiceStatus> {
+        match self {
+            Value::Status(s) => Ok(s.into()),
+            other => Err(other.unexpected("Status")),
+        }
+    }
+    /// `Clear`, else a protocol error.
+    pub fn into_clear(self) -> Result<ClearReport> {
+        match self {
+            Value::Clear(c) => Ok(c.into()),
+            other => Err(other.unexpected("Clear")),
+        }
+    }
+    /// `Generations`, else a protocol error.
+    pub fn into_generations(self) -> Result<Vec<GenerationInfo>> {
+        match self {
+            Value::Generations(g) => Ok(g.into_iter().map(Into::into).collect()),
+            other => Err(other.unexpected("Generations")),
+        }
+    }
+}
+
+/// [`GenerationInfo`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireGeneration {
+    /// The generation id.
+    pub generation: String,
+    /// Tokens the checkpoint covers.
+    pub num_tokens: u64,
+    /// Ranks that stored it.
+    pub world_size: u32,
+    /// Payload bytes of all ranks.
+    pub payload_bytes: u64,
+    /// Whether every object is durable in L2.
+    pub durable: bool,
+    /// Recency stamp.
+    pub access_order: i64,
+}
+
+impl From<GenerationInfo> for WireGeneration {
+    fn from(g: GenerationInfo) -> Self {
+        WireGeneration {
+            generation: g.generation,
+            num_tokens: g.num_tokens,
+            world_size: g.world_size,
+            payload_bytes: g.payload_bytes,
+            durable: g.durable,
+            access_order: g.access_order,
+        }
+    }
+}
+
+impl From<WireGeneration> for GenerationInfo {
+    fn from(g: WireGeneration) -> Self {
+        GenerationInfo {
+            generation: g.generation,
+            num_tokens: g.num_tokens,
+            world_size: g.world_size,
+            payload_bytes: g.payload_bytes,
+            durable: g.durable,
+            access_order: g.access_order,
+        }
+    }
+}
+
+/// An error reply: the [`ErrorKind`] name and the message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireError {
+    /// [`ErrorKind::as_str`] of the error (an unknown name decodes as `Protocol`).
+    pub kind: String,
+    /// The error's message.
+    pub message: String,
+}
+
+impl From<&Error> for WireError {
+    fn from(e: &Error) -> Self {
+        WireError {
+            kind: e.kind().as_str().to_string(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl From<WireError> for Error {
+    fn from(e: WireError) -> Self {
+        match ErrorKind::from_name(&e.kind) {
+            Some(ErrorKind::Unavailable) => Error::Unavailable(e.message),
+            Some(ErrorKind::Protocol) => Error::Protocol(e.message),
+            Some(ErrorKind::Timeout) => Error::Timeout(e.message),
+            Some(ErrorKind::Internal) => Error::Internal(e.message),
+            Some(kind) => Error::Remote {
+                kind,
+                message: e.message,
+            },
+            None => Error::Protocol(format!(
+                "the server replied with an error of unknown kind {:?}: {}",
+                e.kind, e.message
+            )),
+        }
+    }
+}
+
+/// Every reply: `Ok(value)` or `Err{kind, message}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// 0 — the operation succeeded.
+    Ok(Value),
+    /// 1 — the operation failed (nothing else is implied).
+    Err(WireError),
+}
+
+impl Reply {
+    /// The reply for a core result.
+    pub fn from_result(r: Result<Value>) -> Reply {
+        match r {
+            Ok(v) => Reply::Ok(v),
+            Err(e) => Reply::Err(WireError::from(&e)),
+        }
+    }
+    /// An error reply of `kind`.
+    pub fn error(kind: ErrorKind, message: impl Into<String>) -> Reply {
+        Reply::Err(WireError {
+            kind: kind.as_str().to_string(),
+            message: message.into(),
+        })
+    }
+    /// The core result this reply stands for.
+    pub fn into_result(self) -> Result<Value> {
+        match self {
+            Reply::Ok(v) => Ok(v),
+            Reply::Err(e) => Err(e.into()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Encoding
+
+fn frame_with(capacity: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(LEN_BYTES + capacity);
+    out.extend_from_slice(&[0; LEN_BYTES]);
+    out
+}
+
+/// Writes the length prefix of a frame built by [`frame_with`].
+fn seal(mut frame: Vec<u8>, max_frame: usize) -> Result<Vec<u8>> {
+    let len = frame.len() - LEN_BYTES;
+    if len > max_frame {
+        return Err(Error::Protocol(format!(
+            "a frame of {len} bytes exceeds the {max_frame}-byte frame limit"
+        )));
+    }
+    let len = u32::try_from(len).map_err(|_| {
+        Error::Protocol(format!(
+            "a frame of {len} bytes exceeds the 4 GiB wire limit"
+        ))
+    })?;
+    frame[..LEN_BYTES].copy_from_slice(&len.to_le_bytes());
+    Ok(frame)
+}
+
+fn encode_message<T: Serialize>(id: u64, message: &T, max_frame: usize) -> Result<Vec<u8>> {
+    let mut frame = frame_with(ID_BYTES + 64);
+    frame.extend_from_slice(&id.to_le_bytes());
+    let frame = postcard::to_extend(message, frame)
+        .map_err(|e| Error::Protocol(format!("cannot encode a message: {e}")))?;
+    seal(frame, max_frame)
+}
+
+/// A whole request frame: length, id, postcard(request).
+pub fn encode_request(id: u64, request: &Request, max_frame: usize) -> Result<Vec<u8>> {
+    encode_message(id, request, max_frame)
+}
+
+/// A whole reply frame: length, id, postcard(reply).
+pub fn encode_reply(id: u64, reply: &Reply, max_frame: usize) -> Result<Vec<u8>> {
+    encode_message(id, reply, max_frame)
+}
+
+/// Splits a frame payload into its request id and the message bytes.
+/// Payloads shorter than the id are a protocol error.
+pub fn split_id(payload: &[u8]) -> Result<(u64, &[u8])> {
+    match payload.split_first_chunk::<ID_BYTES>() {
+        Some((id, body)) => Ok((u64::from_le_bytes(*id), body)),
+        None => Err(Error::Protocol(format!(
+            "a frame of {} bytes is too short to carry a request id",
+            payload.len()
+        ))),
+    }
+}
+
+fn decode_message<'a, T: Deserialize<'a>>(body: &'a [u8], what: &str) -> Result<T> {
+    let (value, rest) = postcard::take_from_bytes::<T>(body)
+        .map_err(|e| Error::Protocol(format!("malformed {what}: {e}")))?;
+    if !rest.is_empty() {
+        return Err(Error::Protocol(format!(
+            "malformed {what}: {} trailing bytes",
+            rest.len()
+        )));
+    }
+    Ok(value)
+}
+
+/// Decodes the message bytes of a request frame (after [`split_id`]). An
+/// unknown request type or a wrong argument encoding is [`Error::Protocol`].
+pub fn decode_request(body: &[u8]) -> Result<Request> {
+    decode_message(body, "request")
+}
+
+/// Decodes the message bytes of a reply frame (after [`split_id`]).
+pub fn decode_reply(body: &[u8]) -> Result<Reply> {
+    decode_message(body, "reply")
+}
+
+// ---------------------------------------------------------------------------
+// Handshake
+
+/// The client's first frame: `MAGIC`, then the lowest and highest protocol
+/// versions it speaks (u32 little-endian each).
+pub fn encode_hello(min_version: u32, max_version: u32) -> Vec<u8> {
+    let mut frame = frame_with(12);
+    frame.extend_from_slice(&MAGIC);
+    frame.extend_from_slice(&min_version.to_le_bytes());
+    frame.extend_from_slice(&max_version.to_le_bytes());
+    // 12 bytes always fit any limit.
+    let len = (frame.len() - LEN_BYTES) as u32;
+    frame[..LEN_BYTES].copy_from_slice(&len.to_le_bytes());
+    frame
+}
+
+/// Parses a hello payload: `(min_version, max_version)`.
+pub fn decode_hello(payload: &[u8]) -> Result<(u32, u32)> {
+    match payload {
+        [m0, m1, m2, m3, a0, a1, a2, a3, b0, b1, b2, b3] if [*m0, *m1, *m2, *m3] == MAGIC => Ok((
+            u32::from_le_bytes([*a0, *a1, *a2, *a3]),
+            u32::from_le_bytes([*b0, *b1, *b2, *b3]),
+        )),
+        _ => Err(Error::Protocol(
+            "the peer did not start with an lmcache-rc hello (wrong protocol?)".into(),
+        )),
+    }
+}
+
+/// The server's answer to a hello: `MAGIC`, the chosen version (u32 LE; 0 =
+/// refused), then a UTF-8 message (why it was refused; may be empty).
+pub fn encode_welcome(version: u32, message: &str) -> Vec<u8> {
+    let mut frame = frame_with(8 + message.len());
+    frame.extend_from_slice(&MAGIC);
+    frame.extend_from_slice(&version.to_le_bytes());
+    // Refusal messages are short; cut rather than exceed any limit.
+    let message = truncate_utf8(message, 4096);
+    frame.extend_from_slice(message.as_bytes());
+    let len = (frame.len() - LEN_BYTES) as u32;
+    frame[..LEN_BYTES].copy_from_slice(&len.to_le_bytes());
+    frame
+}
+
+/// Parses a welcome payload: `(version, message)`.
+pub fn decode_welcome(payload: &[u8]) -> Result<(u32, String)> {
+    match payload {
+        [m0, m1, m2, m3, v0, v1, v2, v3, rest @ ..] if [*m0, *m1, *m2, *m3] == MAGIC => Ok((
+            u32::from_le_bytes([*v0, *v1, *v2, *v3]),
+            String::from_utf8_lossy(rest).into_owned(),
+        )),
+        _ => Err(Error::Protocol(
+            "the peer did not answer with an lmcache-rc welcome (not an lmcache-rc server?)".into(),
+        )),
+    }
+}
+
+/// The version both sides speak (the highest in both ranges), or the
+/// refusal message.
+pub fn negotiate(min_version: u32, max_version: u32) -> std::result::Result<u32, String> {
+    let high = max_version.min(PROTOCOL_VERSION);
+    if min_version > max_version || high < min_version.max(MIN_PROTOCOL_VERSION) {
+        return Err(format!(
+            "unsupported protocol version: the client speaks {min_version}..={max_version}, \
+             this server {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}; upgrade the older side"
+        ));
+    }
+    Ok(high)
+}
+
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+// ---------------------------------------------------------------------------
+// Reading frames
+
+/// Why [`read_frame`] returned no frame.
+#[derive(Debug)]
+pub enum FrameError {
+    /// The peer closed the connection at a frame boundary.
+    Eof,
+    /// The peer closed the connection inside a frame.
+    Truncated {
+        /// Bytes of the frame received.
+        got: usize,
+        /// Bytes the frame announced (length prefix included).
+        expected: usize,
+    },
+    /// The length prefix announced more than the limit (nothing more was read).
+    Oversize {
+        /// The announced payload length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The read failed (includes read timeouts).
+    Io(io::Error),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Eof => write!(f, "connection closed"),
+            FrameError::Truncated { got, expected } => write!(
+                f,
+                "connection closed inside a frame ({got} of {expected} bytes received)"
+            ),
+            FrameError::Oversize { len, max } => write!(
+                f,
+                "a frame of {len} bytes exceeds the {max}-byte frame limit"
+            ),
+            FrameError::Io(e) => write!(f, "read failed: {e}"),
+        }
+    }
+}
+
+/// Fills `buf` completely; `Ok(n < buf.len())` only at end of stream.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// Reads one frame's payload into `buf` (replacing its contents). The limit
+/// is checked before anything beyond the length prefix is read.
+pub fn read_frame(
+    r: &mut impl Read,
+    max_frame: usize,
+    buf: &mut Vec<u8>,
+) -> std::result::Result<(), FrameError> {
+    let mut len = [0u8; LEN_BYTES];
+    match read_full(r, &mut len).map_err(FrameError::Io)? {
+        0 => return Err(FrameError::Eof),
+        n if n < LEN_BYTES => {
+            return Err(FrameError::Truncated {
+                got: n,
+                expected: LEN_BYTES,
+            });
+        }
+        _ => {}
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max_frame {
+        return Err(FrameError::Oversize {
+            len,
+            max: max_frame,
+        });
+    }
+    buf.clear();
+    buf.resize(len, 0);
+    let got = read_full(r, buf).map_err(FrameError::Io)?;
+    if got < len {
+        return Err(FrameError::Truncated {
+            got: LEN_BYTES + got,
+            expected: LEN_BYTES + len,
+        });
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Interning names received from a server
+
+/// Most distinct names interned (miss reasons, status keys); beyond it a
+/// name becomes `"other"` so a misbehaving server cannot grow memory.
+const MAX_INTERNED: usize = 4096;
+
+/// A `&'static str` for a name received over the wire (the core types use
+/// static names). Each distinct name is leaked once, up to a bound.
+pub fn intern(name: &str) -> &'static str {
+    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+    let names = NAMES.get_or_init(|| Mutex::new(HashSet::new()));
+    let mut names = match names.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    if let Some(found) = names.get(name) {
+        return found;
+    }
+    if names.len() >= MAX_INTERNED {
+        return "other";
+    }
+    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.insert(leaked);
+    leaked
+}

@@ -1,0 +1,752 @@
+//! Python classes for the sidecar RPC: `Client` (the methods of
+//! `CheckpointService`, each with an `*_async` twin returning a `Future`),
+//! `Future`, the embedded `Server`, and zero-copy views of the pool as a
+//! client maps it. Every wait runs with the GIL released.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use lmcache_rc_core::rpc::wire::{WireManifest, WirePrefix};
+use lmcache_rc_core::rpc::{self, Client, ClientConfig, PendingReply, Request, Value};
+use lmcache_rc_core::store::shm::ShmPool;
+use lmcache_rc_core::{Error, ErrorKind};
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyList};
+use std::ffi::c_int;
+
+use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::identity::PyManifest;
+use crate::service::{
+    PyLease, attr, capabilities_dict, clear_dict, fill_byte_buffer, roots_of, seconds,
+    service_config, status_dict,
+};
+
+/// How a reply value becomes a Python object.
+#[derive(Debug, Clone, Copy)]
+enum Expect {
+    Unit,
+    Bool,
+    Capabilities,
+    Manifest,
+    Lease,
+    Status,
+    Clear,
+    Generations,
+}
+
+fn to_python(py: Python<'_>, expect: Expect, value: Value) -> PyResult<Py<PyAny>> {
+    Ok(match expect {
+        Expect::Unit => {
+            value.into_unit().py()?;
+            py.None()
+        }
+        Expect::Bool => PyBool::new(py, value.into_bool().py()?)
+            .to_owned()
+            .into_any()
+            .unbind(),
+        Expect::Capabilities => capabilities_dict(py, value.into_capabilities().py()?)?
+            .into_any()
+            .unbind(),
+        Expect::Manifest => match value.into_manifest().py()? {
+            Some(m) => Py::new(py, PyManifest::wrap(m))?.into_any(),
+            None => py.None(),
+        },
+        Expect::Lease => Py::new(py, PyLease::from(value.into_lease().py()?))?.into_any(),
+        Expect::Status => status_dict(py, value.into_status().py()?)?
+            .into_any()
+            .unbind(),
+        Expect::Clear => clear_dict(py, value.into_clear().py()?)?
+            .into_any()
+            .unbind(),
+        Expect::Generations => {
+            crate::service::generations_list(py, value.into_generations().py()?)?
+                .into_any()
+                .unbind()
+        }
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn duration(value: f64, name: &str) -> PyResult<Duration> {
+    if !(value.is_finite() && value > 0.0 && value < 1e9) {
+        return Err(invalid(format!(
+            "{name} must be a positive number of seconds"
+        )));
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+fn manifest_of(m: &PyManifest) -> WireManifest {
+    WireManifest::from(&m.inner)
+}
+
+/// A client of a sidecar socket. Thread-safe: share one between the
+/// scheduler bridge and copy threads. Calls block up to `timeout` seconds
+/// with the GIL released; `*_async` variants return a `Future`. After a
+/// server restart calls in flight raise `Unavailable` and the next call
+/// reconnects.
+#[pyclass(name = "Client", module = "lmcache_rc._native", frozen)]
+pub struct PyClient {
+    inner: Arc<Client>,
+    pool: Mutex<Option<Arc<ShmPool>>>,
+}
+
+impl PyClient {
+    fn call(&self, py: Python<'_>, request: Request, expect: Expect) -> PyResult<Py<PyAny>> {
+        let client = &self.inner;
+        let value = py.detach(|| client.call(request)).py()?;
+        to_python(py, expect, value)
+    }
+
+    fn send(&self, py: Python<'_>, request: Request, expect: Expect) -> PyFuture {
+        let client = &self.inner;
+        let pending = py.detach(|| client.call_async(request));
+        PyFuture { pending, expect }
+    }
+
+    /// The pool mapped by the name and size the server announces; mapped
+    /// again when the server replaced it (a restart).
+    fn pool(&self, py: Python<'_>) -> PyResult<Arc<ShmPool>> {
+        if let Some(p) = lock(&self.pool).as_ref() {
+            if p.is_current() {
+                return Ok(p.clone());
+            }
+        }
+        // No lock is held while waiting without the GIL.
+        let client = &self.inner;
+        let pool = py
+            .detach(|| {
+                let caps = client.capabilities()?;
+                ShmPool::open(&caps.shm_name, caps.pool_size)
+            })
+            .py()?;
+        let pool = Arc::new(pool);
+        *lock(&self.pool) = Some(pool.clone());
+        Ok(pool)
+    }
+}
+
+#[pymethods]
+impl PyClient {
+    #[new]
+    #[pyo3(signature = (socket_path, timeout = 60.0, connect_timeout = 10.0))]
+    fn new(
+        py: Python<'_>,
+        socket_path: PathBuf,
+        timeout: f64,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
+        let config = ClientConfig {
+            timeout: duration(timeout, "timeout")?,
+            connect_timeout: duration(connect_timeout, "connect_timeout")?,
+            ..ClientConfig::default()
+        };
+        let client = py
+            .detach(|| Client::connect_with(&socket_path, config))
+            .py()?;
+        Ok(PyClient {
+            inner: Arc::new(client),
+            pool: Mutex::new(None),
+        })
+    }
+
+    /// The socket this client talks to.
+    #[getter]
+    fn socket_path(&self) -> String {
+        self.inner.socket_path().display().to_string()
+    }
+
+    /// Whether a live connection is open now.
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.is_connected()
+    }
+
+    /// format_version, protocol_version, shm_name, pool_size, durable_index.
+    fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::Capabilities, Expect::Capabilities)
+    }
+    /// `capabilities` without waiting.
+    fn capabilities_async(&self, py: Python<'_>) -> PyFuture {
+        self.send(py, Request::Capabilities, Expect::Capabilities)
+    }
+
+    /// The longest listed generation matching the roots (a candidate).
+    fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let roots = wire_roots(roots)?;
+        self.call(py, Request::Find { roots }, Expect::Manifest)
+    }
+    /// `find` without waiting.
+    fn find_async(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<PyFuture> {
+        let roots = wire_roots(roots)?;
+        Ok(self.send(py, Request::Find { roots }, Expect::Manifest))
+    }
+
+    /// Stages a generation; False = duplicate, no pending capacity, or the
+    /// server is shutting down.
+    fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<Py<PyAny>> {
+        let manifest = manifest_of(manifest);
+        self.call(py, Request::Begin { manifest }, Expect::Bool)
+    }
+    /// `begin` without waiting.
+    fn begin_async(&self, py: Python<'_>, manifest: &PyManifest) -> PyFuture {
+        let manifest = manifest_of(manifest);
+        self.send(py, Request::Begin { manifest }, Expect::Bool)
+    }
+
+    /// Aborts a pending generation.
+    fn abort(&self, py: Python<'_>, generation: String) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::Abort { generation }, Expect::Unit)
+    }
+    /// `abort` without waiting.
+    fn abort_async(&self, py: Python<'_>, generation: String) -> PyFuture {
+        self.send(py, Request::Abort { generation }, Expect::Unit)
+    }
+
+    /// Leases slots for one rank's pages: status ready | busy | miss.
+    fn prepare_store(
+        &self,
+        py: Python<'_>,
+        manifest: &PyManifest,
+        rank: u32,
+    ) -> PyResult<Py<PyAny>> {
+        let manifest = manifest_of(manifest);
+        self.call(py, Request::PrepareStore { manifest, rank }, Expect::Lease)
+    }
+    /// `prepare_store` without waiting.
+    fn prepare_store_async(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyFuture {
+        let manifest = manifest_of(manifest);
+        self.send(py, Request::PrepareStore { manifest, rank }, Expect::Lease)
+    }
+
+    /// Ends a store lease; True only for the call that published. With
+    /// `rank`, the server refuses a lease another rank obtained.
+    #[pyo3(signature = (lease_id, success, *, rank = None))]
+    fn finish_store(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        success: bool,
+        rank: Option<u32>,
+    ) -> PyResult<Py<PyAny>> {
+        let request = Request::FinishStore {
+            lease_id,
+            success,
+            rank,
+        };
+        self.call(py, request, Expect::Bool)
+    }
+    /// `finish_store` without waiting.
+    #[pyo3(signature = (lease_id, success, *, rank = None))]
+    fn finish_store_async(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        success: bool,
+        rank: Option<u32>,
+    ) -> PyFuture {
+        let request = Request::FinishStore {
+            lease_id,
+            success,
+            rank,
+        };
+        self.send(py, request, Expect::Bool)
+    }
+
+    /// Starts a retrieve: status pending | miss.
+    fn begin_retrieve(
+        &self,
+        py: Python<'_>,
+        manifest: &PyManifest,
+        rank: u32,
+    ) -> PyResult<Py<PyAny>> {
+        let manifest = manifest_of(manifest);
+        self.call(py, Request::BeginRetrieve { manifest, rank }, Expect::Lease)
+    }
+    /// `begin_retrieve` without waiting.
+    fn begin_retrieve_async(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyFuture {
+        let manifest = manifest_of(manifest);
+        self.send(py, Request::BeginRetrieve { manifest, rank }, Expect::Lease)
+    }
+
+    /// Polls a retrieve: pending | ready | miss.
+    #[pyo3(signature = (lease_id, *, rank = None))]
+    fn poll_retrieve(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        rank: Option<u32>,
+    ) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::PollRetrieve { lease_id, rank }, Expect::Lease)
+    }
+    /// `poll_retrieve` without waiting.
+    #[pyo3(signature = (lease_id, *, rank = None))]
+    fn poll_retrieve_async(&self, py: Python<'_>, lease_id: String, rank: Option<u32>) -> PyFuture {
+        self.send(py, Request::PollRetrieve { lease_id, rank }, Expect::Lease)
+    }
+
+    /// Ends an exposed retrieve lease after the copy drained.
+    #[pyo3(signature = (lease_id, *, rank = None))]
+    fn finish_retrieve(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        rank: Option<u32>,
+    ) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::FinishRetrieve { lease_id, rank }, Expect::Unit)
+    }
+    /// `finish_retrieve` without waiting.
+    #[pyo3(signature = (lease_id, *, rank = None))]
+    fn finish_retrieve_async(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        rank: Option<u32>,
+    ) -> PyFuture {
+        self.send(py, Request::FinishRetrieve { lease_id, rank }, Expect::Unit)
+    }
+
+    /// Cancels a retrieve that exposed nothing; never invalidates.
+    #[pyo3(signature = (lease_id, *, rank = None))]
+    fn cancel_retrieve(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        rank: Option<u32>,
+    ) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::CancelRetrieve { lease_id, rank }, Expect::Unit)
+    }
+    /// `cancel_retrieve` without waiting.
+    #[pyo3(signature = (lease_id, *, rank = None))]
+    fn cancel_retrieve_async(
+        &self,
+        py: Python<'_>,
+        lease_id: String,
+        rank: Option<u32>,
+    ) -> PyFuture {
+        self.send(py, Request::CancelRetrieve { lease_id, rank }, Expect::Unit)
+    }
+
+    /// Counters and gauges of the service and the RPC layer.
+    fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::Status, Expect::Status)
+    }
+    /// `status` without waiting.
+    fn status_async(&self, py: Python<'_>) -> PyFuture {
+        self.send(py, Request::Status, Expect::Status)
+    }
+
+    /// Drops L1 copies (and L2 files with all_tiers); see DESIGN §7.
+    #[pyo3(signature = (force = false, all_tiers = false))]
+    fn clear(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::Clear { force, all_tiers }, Expect::Clear)
+    }
+    /// `clear` without waiting.
+    #[pyo3(signature = (force = false, all_tiers = false))]
+    fn clear_async(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyFuture {
+        self.send(py, Request::Clear { force, all_tiers }, Expect::Clear)
+    }
+
+    /// Every listed generation (dicts, as `CheckpointService.list_generations`).
+    fn list_generations(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.call(py, Request::ListGenerations, Expect::Generations)
+    }
+    /// `list_generations` without waiting.
+    fn list_generations_async(&self, py: Python<'_>) -> PyFuture {
+        self.send(py, Request::ListGenerations, Expect::Generations)
+    }
+
+    /// Closes the connection (later calls raise `Closed`). Leases obtained
+    /// through this client stay live on the server until finished.
+    fn close(&self, py: Python<'_>) {
+        let client = &self.inner;
+        py.detach(|| client.close());
+        *lock(&self.pool) = None;
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    /// A writable zero-copy uint8 numpy array over `length` bytes of the SHM
+    /// pool at `offset` (a lease slot), through this process's own mapping of
+    /// the pool (mapped by name on first use, never created or unlinked).
+    /// Only touch it while the lease is live.
+    fn slot_array<'py>(
+        &self,
+        py: Python<'py>,
+        offset: u64,
+        length: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let pool = self.pool(py)?;
+        pool_array(py, pool, offset, length)
+    }
+
+    /// The slots of a lease as numpy arrays (None for pages not to copy).
+    fn lease_arrays<'py>(&self, py: Python<'py>, lease: &PyLease) -> PyResult<Bound<'py, PyList>> {
+        let pool = self.pool(py)?;
+        let out = PyList::empty(py);
+        for group in lease.slot_groups() {
+            let arrays = PyList::empty(py);
+            for slot in group {
+                match slot {
+                    Some((offset, length)) => {
+                        arrays.append(pool_array(py, pool.clone(), *offset, *length)?)?
+                    }
+                    None => arrays.append(py.None())?,
+                }
+            }
+            out.append(arrays)?;
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Client(socket_path={:?}, connected={})",
+            self.inner.socket_path().display().to_string(),
+            if self.inner.is_connected() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+fn wire_roots(roots: &Bound<'_, PyAny>) -> PyResult<Vec<WirePrefix>> {
+    Ok(roots_of(roots)?.iter().map(WirePrefix::from).collect())
+}
+
+fn pool_array(
+    py: Python<'_>,
+    pool: Arc<ShmPool>,
+    offset: u64,
+    length: u64,
+) -> PyResult<Bound<'_, PyAny>> {
+    let end = offset.checked_add(length);
+    if length == 0 || end.is_none_or(|e| e > pool.size()) {
+        return Err(invalid(format!(
+            "slot ({offset}, {length}) is outside the {}-byte pool",
+            pool.size()
+        )));
+    }
+    let view = MappedSlotView {
+        pool,
+        offset,
+        length,
+    };
+    let numpy = py.import("numpy")?;
+    numpy.call_method1(
+        "frombuffer",
+        (Bound::new(py, view)?, numpy.getattr("uint8")?),
+    )
+}
+
+/// A buffer-protocol window into a client's mapping of the SHM pool; keeps
+/// the mapping alive (see `Client.slot_array`).
+#[pyclass(module = "lmcache_rc._native", frozen)]
+pub struct MappedSlotView {
+    pool: Arc<ShmPool>,
+    offset: u64,
+    length: u64,
+}
+
+#[pymethods]
+impl MappedSlotView {
+    /// Exposes the bytes as a writable 1-D unsigned-byte buffer.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("null Py_buffer"));
+        }
+        let me = slf.get();
+        let len =
+            isize::try_from(me.length).map_err(|_| PyBufferError::new_err("slot too large"))?;
+        let offset =
+            usize::try_from(me.offset).map_err(|_| PyBufferError::new_err("slot too large"))?;
+        // SAFETY: pool_array checked `offset + length <= size`; the mapping
+        // lives as long as `me.pool`, which this object (the buffer's `obj`)
+        // keeps alive.
+        let buf = unsafe { me.pool.as_ptr().add(offset) };
+        // SAFETY: `view` is non-null and valid per the buffer protocol; `buf`
+        // points at `len` bytes that live as long as `slf` (see above).
+        unsafe { fill_byte_buffer(view, slf.into_any(), buf, len, flags) };
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// The pending result of a `Client.*_async` call.
+#[pyclass(name = "Future", module = "lmcache_rc._native", frozen)]
+pub struct PyFuture {
+    pending: PendingReply,
+    expect: Expect,
+}
+
+#[pymethods]
+impl PyFuture {
+    /// Whether the reply (or the failure) is in.
+    fn done(&self) -> bool {
+        self.pending.is_done()
+    }
+
+    /// Waits up to `timeout` seconds (None = until done) and returns the
+    /// call's result or raises its error; raises `RpcTimeout` (and stays
+    /// pending) if the reply did not come in time. Ctrl-C interrupts a wait.
+    #[pyo3(signature = (timeout = None))]
+    fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let deadline = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(invalid("timeout must be a non-negative number of seconds"));
+            }
+            Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))),
+            None => None,
+        };
+        let pending = &self.pending;
+        loop {
+            let slice = match deadline {
+                Some(d) => d
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(100)),
+                None => Duration::from_millis(100),
+            };
+            match py.detach(|| pending.wait(Some(slice))) {
+                Ok(value) => return to_python(py, self.expect, value),
+                Err(e) if e.kind() == ErrorKind::Timeout && !pending.is_done() => {
+                    py.check_signals()?;
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(to_pyerr(Error::Timeout(format!(
+                            "no reply to {} within {} s",
+                            pending.operation(),
+                            timeout.unwrap_or_default()
+                        ))));
+                    }
+                }
+                Err(e) => return Err(to_pyerr(e)),
+            }
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Future({}, done={})",
+            self.pending.operation(),
+            if self.pending.is_done() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+/// The sidecar running in this process (tests, notebooks, `lmcache-rc
+/// demo`): the same RPC server over a Unix socket, on background threads.
+#[pyclass(name = "Server", module = "lmcache_rc._native", frozen)]
+pub struct PyServer {
+    /// Taken (and dropped, which unlinks the pool) by `stop`.
+    inner: Mutex<Option<Arc<rpc::Server>>>,
+    socket: String,
+    drain: Duration,
+    stopped: Mutex<Option<rpc::ShutdownReport>>,
+    /// The HTTP admin API (None when http_port is negative).
+    http: Mutex<Option<lmcache_rc_core::http::HttpAdmin>>,
+    http_url: Option<String>,
+}
+
+impl Drop for PyServer {
+    fn drop(&mut self) {
+        // A server never stopped stops now, without draining. Its threads
+        // may log (which needs the GIL), so wait for them without it.
+        let taken = lock(&self.inner).take();
+        if let Some(server) = taken {
+            Python::attach(|py| py.detach(move || drop(server)));
+        }
+    }
+}
+
+impl PyServer {
+    fn running(&self) -> PyResult<Arc<rpc::Server>> {
+        lock(&self.inner)
+            .clone()
+            .ok_or_else(|| to_pyerr(Error::Closed("lmcache-rc server")))
+    }
+}
+
+#[pymethods]
+impl PyServer {
+    /// Starts a server for `config` (an `rc.ServerConfig`).
+    ///
+    /// `temp_socket` chooses where it listens: None (the default, embedded
+    /// use) = in a fresh private temporary directory when the config's socket
+    /// is the default one, else on the config's socket; False = always on the
+    /// config's socket (`lmcache-rc serve`); True = always in a fresh
+    /// temporary directory. In a temporary directory, a pool name derived from
+    /// the configured socket is derived from the new socket instead, so
+    /// embedded servers never collide with a sidecar or with each other.
+    #[staticmethod]
+    #[pyo3(signature = (config, *, temp_socket = None))]
+    fn start(
+        py: Python<'_>,
+        config: &Bound<'_, PyAny>,
+        temp_socket: Option<bool>,
+    ) -> PyResult<PyServer> {
+        let mut service = service_config(config)?;
+        let socket: Option<PathBuf> = attr(config, "socket")?.map(|v| v.extract()).transpose()?;
+        let helpers = py.import("lmcache_rc.config")?;
+        let default_socket: PathBuf = helpers.call_method0("default_socket_path")?.extract()?;
+        let configured = socket.unwrap_or_else(|| default_socket.clone());
+        let temp = temp_socket.unwrap_or(configured == default_socket);
+        let mut rpc_config = if temp {
+            let path = rpc::temp_socket_path().py()?;
+            let derived: String = helpers
+                .call_method1("shm_name_for", (configured,))?
+                .extract()?;
+            if service.shm_name == derived {
+                service.shm_name = helpers
+                    .call_method1("shm_name_for", (path.clone(),))?
+                    .extract()?;
+            }
+            let mut c = rpc::ServerConfig::new(path);
+            c.remove_dir_on_stop = true;
+            c
+        } else {
+            rpc::ServerConfig::new(configured)
+        };
+        let drain = match attr(config, "drain_timeout")? {
+            Some(v) => seconds(&v, "drain_timeout")?,
+            None => rpc_config.drain_timeout,
+        };
+        rpc_config.drain_timeout = drain;
+        if let Some(v) = attr(config, "max_connections")? {
+            rpc_config.max_connections = v.extract()?;
+        }
+        let http_host: String = match attr(config, "http_host")? {
+            Some(v) => v.extract()?,
+            None => "127.0.0.1".to_string(),
+        };
+        let http_port: i64 = match attr(config, "http_port")? {
+            Some(v) => v.extract()?,
+            None => 0,
+        };
+        let server = py.detach(|| rpc::Server::open(service, rpc_config)).py()?;
+        let http = if http_port >= 0 {
+            let port = u16::try_from(http_port)
+                .map_err(|_| invalid(format!("http_port must be in 0..65535, got {http_port}")))?;
+            let service = server.service().clone();
+            Some(
+                py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&http_host, port, service))
+                    .py()?,
+            )
+        } else {
+            None
+        };
+        Ok(PyServer {
+            socket: server.socket_path().display().to_string(),
+            inner: Mutex::new(Some(Arc::new(server))),
+            drain,
+            stopped: Mutex::new(None),
+            http_url: http.as_ref().map(|h| h.url()),
+            http: Mutex::new(http),
+        })
+    }
+
+    /// The socket clients connect to.
+    #[getter]
+    fn socket_path(&self) -> String {
+        self.socket.clone()
+    }
+
+    /// The HTTP admin URL (`http://host:port`), or None when disabled.
+    #[getter]
+    fn http_url(&self) -> Option<String> {
+        self.http_url.clone()
+    }
+
+    /// The service's status plus the RPC counters (rpc_connections, ...).
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let server = self.running()?;
+        let status = py.detach(|| server.status()).py()?;
+        status_dict(py, status)
+    }
+
+    /// Graceful shutdown: stops admitting work, lets live leases finish for
+    /// up to `timeout` seconds (default: the config's `drain_timeout`, else
+    /// 30), closes every connection and the service (L2 queue drained,
+    /// directory closed) and removes the socket. Returns a report dict
+    /// (`drained`, `live_leases`, `close_error`). Idempotent.
+    #[pyo3(signature = (timeout = None))]
+    fn stop<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let drain = match timeout {
+            Some(t) if !(t.is_finite() && t >= 0.0) => {
+                return Err(invalid("timeout must be a non-negative number of seconds"));
+            }
+            Some(t) => Duration::from_secs_f64(t.min(1e9)),
+            None => self.drain,
+        };
+        if let Some(mut http) = lock(&self.http).take() {
+            py.detach(|| http.stop());
+        }
+        let taken = lock(&self.inner).take();
+        let report = match taken {
+            Some(server) => {
+                let report = py.detach(|| {
+                    let report = server.shutdown_with(drain);
+                    // The last reference drops the service: its pool is unlinked.
+                    drop(server);
+                    report
+                });
+                let report = report.py()?;
+                *lock(&self.stopped) = Some(report.clone());
+                report
+            }
+            None => lock(&self.stopped).clone().unwrap_or_default(),
+        };
+        let d = PyDict::new(py);
+        d.set_item("drained", report.drained)?;
+        d.set_item("live_leases", report.live_leases)?;
+        d.set_item("close_error", report.close_error)?;
+        Ok(d)
+    }
+
+    /// Whether `stop` ran.
+    #[getter]
+    fn stopped(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.stop(py, None)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Server(socket_path={:?}, stopped={})",
+            self.socket,
+            if self.stopped() { "True" } else { "False" }
+        )
+    }
+}
