@@ -1382,6 +1382,9 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
             .and_then(|len| unsafe { inner.pool.slice(offset, len) })
             .and_then(|bytes| l2.write(&key, bytes));
         let mut st = inner.state.lock();
+        st.l2_queued_bytes = st
+            .l2_queued_bytes
+            .saturating_sub(crate::store::l2::object_file_bytes(len));
         if let Some(obj) = st.objects.get_mut(&key) {
             obj.io = obj.io.saturating_sub(1);
         }
@@ -1404,13 +1407,22 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
 
 /// Performs the side effects queued in the state, outside its lock.
 fn flush(inner: &Arc<Inner>) {
+    flush_once(inner, true);
+}
+
+/// One round of side effects. When L2 is full, the first round evicts L2
+/// objects (see [`State::evict_l2`]) and a second round writes what now fits.
+fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
+    let mut evicted = false;
     let (writes, deletes, durable, retire) = {
         let mut st = inner.state.lock();
         let mut writes = Vec::new();
+        let mut waiting = Vec::new();
         for key in std::mem::take(&mut st.l2_writes) {
+            let planned = st.l2_queued_bytes;
             let fits = inner.l2.as_ref().is_some_and(|l2| {
                 st.objects.get(&key).is_some_and(|o| {
-                    l2.would_fit(crate::store::l2::object_file_bytes(o.page_bytes))
+                    l2.would_fit(planned + crate::store::l2::object_file_bytes(o.page_bytes))
                 })
             });
             let Some(obj) = st.objects.get_mut(&key) else {
@@ -1420,13 +1432,35 @@ fn flush(inner: &Arc<Inner>) {
                 continue;
             }
             if !fits {
-                st.count("l2_skipped_full", 1);
+                waiting.push(key);
                 continue;
             }
             if let Some(slot) = obj.slot {
                 obj.l2 = L2::Queued;
                 obj.io += 1;
-                writes.push((key, slot.offset, obj.page_bytes));
+                let bytes = obj.page_bytes;
+                writes.push((key, slot.offset, bytes));
+                st.l2_queued_bytes += crate::store::l2::object_file_bytes(bytes);
+            }
+        }
+        if !waiting.is_empty() {
+            if let Some(l2) = inner.l2.as_ref().filter(|_| may_evict) {
+                let need: u64 = waiting
+                    .iter()
+                    .filter_map(|k| st.objects.get(k))
+                    .map(|o| crate::store::l2::object_file_bytes(o.page_bytes))
+                    .sum();
+                let free = l2.capacity().map_or(u64::MAX, |cap| {
+                    cap.saturating_sub(l2.used_bytes() + st.l2_queued_bytes)
+                });
+                evicted = st.evict_l2(need.saturating_sub(free), &waiting, |k| {
+                    l2.file_bytes_of(k).unwrap_or(0)
+                });
+            }
+            if evicted {
+                st.l2_writes.extend(waiting);
+            } else {
+                st.count("l2_skipped_full", waiting.len() as u64);
             }
         }
         (
@@ -1460,6 +1494,10 @@ fn flush(inner: &Arc<Inner>) {
     }
     for (key, offset, len) in writes {
         submit_write(inner, key, offset, len);
+    }
+    if evicted {
+        // The evicted files are deleted now: write what waited for space.
+        flush_once(inner, false);
     }
 }
 

@@ -212,6 +212,8 @@ pub struct State {
     pub newly_durable: Vec<Arc<str>>,
     /// Generations to retire in the directory, drained by the caller.
     pub to_retire: Vec<Arc<str>>,
+    /// L2 file bytes of writes queued or running (not yet in the tier's accounting).
+    pub l2_queued_bytes: u64,
 }
 
 impl State {
@@ -237,6 +239,7 @@ impl State {
             l2_writes: Vec::new(),
             newly_durable: Vec::new(),
             to_retire: Vec::new(),
+            l2_queued_bytes: 0,
         }
     }
 
@@ -479,6 +482,68 @@ impl State {
             }
         }
         self.alloc.largest_free() >= needed
+    }
+
+    /// Frees at least `needed` bytes of L2 for the objects in `waiting`:
+    /// idle durable objects go first if they have no RAM copy, then in L1 LRU
+    /// order. A victim's generations are retired with it (their only durable
+    /// copy goes), and whatever becomes unreferenced is deleted from both
+    /// tiers. Returns whether anything was evicted. O(objects), and runs only
+    /// when L2 is full.
+    pub fn evict_l2(
+        &mut self,
+        needed: u64,
+        waiting: &[ObjectKey],
+        file_bytes: impl Fn(&ObjectKey) -> u64,
+    ) -> bool {
+        if needed == 0 {
+            return true;
+        }
+        // Never evict a generation to make room for its own objects.
+        let protected: Vec<Arc<str>> = waiting
+            .iter()
+            .filter_map(|k| self.objects.get(k))
+            .flat_map(|o| o.gens.iter().cloned())
+            .collect();
+        let mut victims: Vec<(u64, ObjectKey)> = self
+            .objects
+            .iter()
+            .filter(|(_, o)| !o.gens.iter().any(|g| protected.contains(g)))
+            .filter(|(k, o)| {
+                o.l2 == L2::Durable
+                    && o.pins == 0
+                    && o.readers == 0
+                    && o.io == 0
+                    && o.waiters.is_empty()
+                    && matches!(o.l1, L1::Absent | L1::Ready)
+                    && !waiting.contains(k)
+            })
+            .map(|(k, o)| (o.tick, *k))
+            .collect();
+        victims.sort_unstable();
+        let mut freed = 0;
+        let mut any = false;
+        for (_, key) in victims {
+            if freed >= needed {
+                break;
+            }
+            if !self.objects.contains_key(&key) {
+                continue; // reclaimed with an earlier victim's generation
+            }
+            let before = self.l2_deletes.len();
+            if self.objects.get(&key).is_some_and(|o| o.refs > 0) {
+                self.retire_generations_of(&key);
+                self.count("evictions", 1);
+            }
+            self.maybe_reclaim(&key);
+            let gone: u64 = self.l2_deletes[before..].iter().map(&file_bytes).sum();
+            if gone > 0 {
+                any = true;
+                freed += gone;
+                self.count("l2_evictions", 1);
+            }
+        }
+        any
     }
 
     pub fn pins_total(&self) -> u64 {
