@@ -238,7 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "clear":
-            p.add_argument("--force", action="store_true", help="also drop pages of idle pins")
+            p.add_argument(
+                "--force",
+                action="store_true",
+                help="drop everything, pinned pages too (refused while leases are live)",
+            )
             p.add_argument("--all-tiers", action="store_true", help="also delete L2 files")
         p.set_defaults(func=func)
 
