@@ -6,7 +6,7 @@ use std::ffi::{CStr, c_int, c_void};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use lmcache_rc_core::service::{self, CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::service::{self, CheckpointService, ServiceConfig};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -426,11 +426,6 @@ pub(crate) unsafe fn fill_byte_buffer(
         (*view).suboffsets = std::ptr::null_mut();
         (*view).internal = std::ptr::null_mut();
     }
-}
-
-#[allow(dead_code)]
-fn _status_is_exhaustive(s: LeaseStatus) -> &'static str {
-    s.as_str()
 }
 
 /// Listed generations as a list of dicts (`lmcache-rc inspect`).
