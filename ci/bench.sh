@@ -20,3 +20,6 @@ run_example l2_bench "L2 tier: durable writes / verified cold reads vs raw file 
 echo "== service: store + retrieve through lease slots vs memcpy"
 python ci/bench_service.py
 run_example rpc_bench "RPC round trip vs raw Unix-socket ping-pong" $quick
+run_example transfer_bench "transfer engine (Rust, cpu backend) vs memcpy"
+echo "== transfer engine (Python, cpu backend): store + restore through the sidecar vs memcpy"
+python ci/bench_transfer.py

@@ -9,6 +9,9 @@ The public API is re-exported here (``import lmcache_rc as rc``):
   :class:`ServerConfig`, answering :class:`Lease` objects;
 - the sidecar over its Unix socket: :class:`Client` (same methods, plus
   ``*_async`` variants), and :class:`Server` to run one embedded;
+- worker copies between a page pool and the sidecar's shared memory:
+  :class:`TransferEngine` (futures: :class:`TransferFuture`), wrapped for vLLM
+  workers by :class:`lmcache_rc.worker.CheckpointWorker`;
 - errors: :mod:`lmcache_rc.errors`.
 
 Everything heavy runs in the Rust extension ``lmcache_rc._native`` with the GIL
@@ -27,6 +30,8 @@ from lmcache_rc._native import (
     Prefix,
     Server,
     TokenRoots,
+    TransferEngine,
+    TransferFuture,
     __version__,
     checkpoint_generation,
     checkpoint_namespace,
@@ -43,6 +48,8 @@ __all__ = [
     "Server",
     "ServerConfig",
     "TokenRoots",
+    "TransferEngine",
+    "TransferFuture",
     "__version__",
     "checkpoint_generation",
     "checkpoint_namespace",

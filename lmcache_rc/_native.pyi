@@ -24,6 +24,8 @@ __all__ = [
     "Server",
     "SlotView",
     "TokenRoots",
+    "TransferEngine",
+    "TransferFuture",
     "__version__",
     "_error_classes",
     "_log_for_test",
@@ -237,3 +239,70 @@ class Server:
     def stop(self, timeout: float | None = None) -> dict[str, Any]: ...
     def __enter__(self) -> Server: ...
     def __exit__(self, *_args: object) -> bool: ...
+
+@final
+class TransferFuture:
+    """The result of one ``TransferEngine.submit``."""
+
+    def done(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> bool: ...
+    @property
+    def outcome(self) -> str | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def error_kind(self) -> str | None: ...
+
+@final
+class TransferEngine:
+    def __new__(
+        cls,
+        socket_path: str | os.PathLike[str],
+        page_pool: npt.NDArray[np.uint8],
+        *,
+        workers: int = 2,
+        max_pending: int = 16,
+        rpc_timeout: float = 30.0,
+        layout: Mapping[str, Any] | None = None,
+    ) -> TransferEngine: ...
+    @staticmethod
+    def cuda(
+        socket_path: str | os.PathLike[str],
+        device_ptr: int,
+        num_blocks: int,
+        page_bytes: int,
+        *,
+        device: int = 0,
+        workers: int = 2,
+        max_pending: int = 16,
+        rpc_timeout: float = 30.0,
+        layout: Mapping[str, Any] | None = None,
+    ) -> TransferEngine: ...
+    @staticmethod
+    def check_cuda_driver() -> None: ...
+    def submit(
+        self,
+        manifest: Manifest,
+        rank: int,
+        direction: str,
+        block_ids: Iterable[Iterable[int]],
+        producer_event: int | None = None,
+    ) -> TransferFuture | None: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def is_unsafe(self) -> bool: ...
+    @property
+    def unsafe_reason(self) -> str | None: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def mappings(self) -> int: ...
+    def capabilities(self) -> dict[str, Any] | None: ...
+    def wait_idle(self, timeout: float | None = None) -> bool: ...
+    def close(self, timeout: float | None = None) -> None: ...
+    def _inject_fault(self, kind: str, count: int = 1, delay: float = 0.0) -> None: ...

@@ -13,6 +13,7 @@ __all__ = [
     "Closed",
     "CorruptData",
     "DatabaseError",
+    "DeviceError",
     "GenerationConflict",
     "InternalError",
     "InvalidInput",
@@ -24,6 +25,7 @@ __all__ = [
     "RpcTimeout",
     "StorageIOError",
     "Unavailable",
+    "UnsafeCopy",
     "UnsupportedFormat",
 ]
 
@@ -97,3 +99,19 @@ class RpcTimeout(CheckpointError, TimeoutError):
 
 class InternalError(CheckpointError):
     """A bug: the server failed while handling a request (it keeps serving)."""
+
+
+class UnsafeCopy(CheckpointError):
+    """A worker copy may still be in flight, or a lease's ownership could not be
+    reconciled with the sidecar (invariant I5).
+
+    The transfer engine refuses all new work and its ``close()`` raises this:
+    the page pool and the shared-memory mapping must stay alive until the
+    worker process ends, and the engine must terminate that process. It is a
+    fatal engine error, never a cache miss.
+    """
+
+
+class DeviceError(CheckpointError):
+    """The accelerator or its driver is missing or failed (e.g. no CUDA driver
+    library on this host). The CPU backend stays usable."""

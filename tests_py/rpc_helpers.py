@@ -30,10 +30,15 @@ def config(tmp_path: Path, **overrides: object) -> rc.ServerConfig:
 
 
 def make_manifest(
-    tokens: list[int], world: int = 2, pages: int | None = None
+    tokens: list[int],
+    world: int = 2,
+    pages: int | None = None,
+    layout: dict[str, object] | None = None,
 ) -> tuple[rc.Manifest, rc.TokenRoots]:
     """A schema-2 manifest: attention pages every 16 tokens (or ``pages``
-    state pages), one recurrent page, one auxiliary page; 4 KiB pages."""
+    state pages), one recurrent page, one auxiliary page; 4 KiB pages.
+    ``layout`` becomes the payload's ``worker_layout`` (as the scheduler
+    bridge writes it)."""
     ns = rc.checkpoint_namespace(
         {
             "target_revision": "t" * 40,
@@ -69,8 +74,16 @@ def make_manifest(
             "content_keys": [roots.content_key(n, "auxiliary:0:prompt")],
         },
     ]
+    body: dict[str, object] = {
+        "schema_version": 2,
+        "page_groups": groups,
+        "kind": "prompt",
+        "draft_prefix_len": 0,
+    }
+    if layout is not None:
+        body["worker_layout"] = layout
     payload = json.dumps(
-        {"schema_version": 2, "page_groups": groups, "kind": "prompt", "draft_prefix_len": 0},
+        body,
         sort_keys=True,
         separators=(",", ":"),
     ).encode()

@@ -67,6 +67,14 @@ pub enum Error {
     /// A bug: the server caught a panic while handling a request.
     #[error("{0}")]
     Internal(String),
+    /// A worker copy may still be in flight (or a lease's ownership could not
+    /// be reconciled): the transfer engine stopped admitting work and its
+    /// memory must stay alive until the process ends (invariant I5).
+    #[error("{0}")]
+    UnsafeCopy(String),
+    /// The accelerator or its driver failed or is missing (e.g. no CUDA driver).
+    #[error("{0}")]
+    Device(String),
     /// An error the server replied with over RPC: its kind and message as sent.
     #[error("{message}")]
     Remote {
@@ -96,6 +104,8 @@ impl Error {
             Error::Protocol(_) => ErrorKind::Protocol,
             Error::Timeout(_) => ErrorKind::Timeout,
             Error::Internal(_) => ErrorKind::Internal,
+            Error::UnsafeCopy(_) => ErrorKind::UnsafeCopy,
+            Error::Device(_) => ErrorKind::Device,
             Error::Remote { kind, .. } => *kind,
         }
     }
@@ -148,6 +158,10 @@ pub enum ErrorKind {
     Timeout,
     /// See [`Error::Internal`].
     Internal,
+    /// See [`Error::UnsafeCopy`].
+    UnsafeCopy,
+    /// See [`Error::Device`].
+    Device,
 }
 
 impl ErrorKind {
@@ -169,13 +183,15 @@ impl ErrorKind {
             ErrorKind::Protocol => "Protocol",
             ErrorKind::Timeout => "Timeout",
             ErrorKind::Internal => "Internal",
+            ErrorKind::UnsafeCopy => "UnsafeCopy",
+            ErrorKind::Device => "Device",
         }
     }
 }
 
 impl ErrorKind {
     /// Every kind, in declaration order (wire decoding and binding tables).
-    pub const ALL: [ErrorKind; 15] = [
+    pub const ALL: [ErrorKind; 17] = [
         ErrorKind::InvalidInput,
         ErrorKind::InvalidType,
         ErrorKind::GenerationConflict,
@@ -191,6 +207,8 @@ impl ErrorKind {
         ErrorKind::Protocol,
         ErrorKind::Timeout,
         ErrorKind::Internal,
+        ErrorKind::UnsafeCopy,
+        ErrorKind::Device,
     ];
 
     /// The kind whose [`as_str`](Self::as_str) is `name` (None if unknown).

@@ -9,6 +9,7 @@
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
+//! - [`transfer`]: worker copies between a page pool and shared memory;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
@@ -21,6 +22,7 @@ pub mod manifest;
 pub mod rpc;
 pub mod service;
 pub mod store;
+pub mod transfer;
 
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{Prefix, TokenRoots, checkpoint_generation, checkpoint_namespace};

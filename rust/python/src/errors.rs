@@ -26,6 +26,8 @@ pub fn class_name(kind: ErrorKind) -> &'static str {
         ErrorKind::Protocol => "ProtocolError",
         ErrorKind::Timeout => "RpcTimeout",
         ErrorKind::Internal => "InternalError",
+        ErrorKind::UnsafeCopy => "UnsafeCopy",
+        ErrorKind::Device => "DeviceError",
         _ => "CheckpointError",
     }
 }

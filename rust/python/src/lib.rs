@@ -9,6 +9,7 @@ mod errors;
 mod identity;
 mod rpc;
 mod service;
+mod transfer;
 
 use pyo3::prelude::*;
 
@@ -36,6 +37,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rpc::PyFuture>()?;
     m.add_class::<rpc::PyServer>()?;
     m.add_class::<rpc::MappedSlotView>()?;
+    m.add_class::<transfer::PyTransferEngine>()?;
+    m.add_class::<transfer::PyTransferFuture>()?;
     Ok(())
 }
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU check for a machine with an NVIDIA GPU and torch (no Rust needed there).
+#
+# Build the wheel where Rust is (it is abi3: one build installs on Python >= 3.11):
+#     bash ci/gpu-check.sh --build        # -> target/wheels/lmcache_rc-*.whl
+# then on the GPU machine, from a checkout that carries target/wheels:
+#     bash ci/gpu-check.sh
+# It installs the wheel into a throw-away virtual environment that sees the
+# system's torch and numpy, runs the gpu-marked tests (GPU -> SHM -> GPU
+# round trip byte-exact, producer-event ordering, a failed copy reported
+# False, bandwidth against torch pinned-memory copies) and prints the ratios.
+# Bounded to 5 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--build" ]; then
+  source ci/env.sh
+  maturin build --release --out target/wheels
+  ls -l target/wheels/
+  exit 0
+fi
+
+PY=${PYTHON:-python3}
+wheel=$(ls -t target/wheels/lmcache_rc-*.whl 2>/dev/null | head -1 || true)
+if [ -z "$wheel" ]; then
+  echo "no wheel in target/wheels: run 'bash ci/gpu-check.sh --build' where Rust is installed" >&2
+  exit 2
+fi
+"$PY" - <<'PYCHECK'
+import sys
+try:
+    import torch, numpy
+except ImportError as e:
+    sys.exit(f"gpu-check needs torch and numpy installed: {e}")
+if not torch.cuda.is_available():
+    sys.exit("gpu-check: torch sees no CUDA device")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, "
+      f"Python {sys.version.split()[0]}")
+PYCHECK
+
+venv=$(mktemp -d)/venv
+"$PY" -m venv --system-site-packages "$venv"
+"$venv/bin/python" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
+cd tests_py  # import the installed wheel, not the source tree
+if "$venv/bin/python" -c "import pytest" 2>/dev/null; then
+  timeout 300 "$venv/bin/python" -m pytest test_gpu_transfer.py -m gpu -q -s -p no:cacheprovider \
+    -o addopts="" --rootdir=. --noconftest
+else
+  echo "(pytest not installed: running the gpu tests as a script)"
+  timeout 300 "$venv/bin/python" test_gpu_transfer.py
+fi

@@ -1,0 +1,241 @@
+"""Worker-rank glue between a vLLM worker (or the simulated engine) and the
+transfer engine.
+
+One :class:`CheckpointWorker` per worker rank binds the rank's page pool and
+address-free byte layout, submits the scheduler's checkpoint tasks to an
+``lmcache_rc.TransferEngine`` and reports exactly one boolean per task for
+the worker metadata (spec ``storage-and-transfer.md`` §7.4):
+
+* a task the engine refused (closing, unsafe, queue full) or that could not be
+  submitted is reported ``False`` at the next :meth:`CheckpointWorker.collect`;
+* a finished task is reported with its result (``True`` = this rank's pages
+  were copied and its lease finished);
+* a copy that may still be in flight raises :class:`~lmcache_rc.errors.UnsafeCopy`
+  from :meth:`~CheckpointWorker.collect` and :meth:`~CheckpointWorker.close`:
+  that is a fatal engine error, never a miss.
+
+The worker keeps each task's future (and with it the engine's reference to
+the page pool) until its result was collected, so the caller can release its
+block pins exactly when the result is known.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import UnsafeCopy
+
+__all__ = ["CheckpointWorker"]
+
+log = logging.getLogger(__name__)
+
+DIRECTIONS = ("STORE", "RETRIEVE")
+
+
+def _is_cuda_tensor(pool: object) -> bool:
+    """Whether ``pool`` is a torch tensor on a CUDA device (torch not imported)."""
+    return bool(getattr(pool, "is_cuda", False)) and hasattr(pool, "data_ptr")
+
+
+def _cuda_engine(
+    socket_path: str,
+    pool: Any,
+    workers: int,
+    max_pending: int,
+    rpc_timeout: float,
+    layout: dict[str, Any],
+) -> _native.TransferEngine:
+    """A cuda-backend engine over a contiguous 2-D uint8 CUDA tensor."""
+    if pool.dim() != 2 or str(pool.dtype) != "torch.uint8" or not pool.is_contiguous():
+        raise ValueError(
+            "a CUDA page pool must be a contiguous 2-D torch.uint8 tensor [num_blocks, page_bytes]"
+        )
+    num_blocks, page_bytes = (int(d) for d in pool.shape)
+    return _native.TransferEngine.cuda(
+        socket_path,
+        int(pool.data_ptr()),
+        num_blocks,
+        page_bytes,
+        device=int(pool.device.index or 0),
+        workers=workers,
+        max_pending=max_pending,
+        rpc_timeout=rpc_timeout,
+        layout=layout,
+    )
+
+
+class CheckpointWorker:
+    """Submits one worker rank's checkpoint copies and collects their results.
+
+    ``page_pool`` is the rank's page pool, ``[num_blocks, page_bytes]`` of
+    ``uint8`` whose row 0 is the null page: a C-contiguous, writable numpy
+    array (the cpu backend), or a contiguous CUDA tensor (the cuda backend:
+    copies run on the GPU's DMA engines after the task's producer event; the
+    worker keeps a reference to the tensor). ``layout`` must contain ``page_bytes`` equal to the
+    pool's row width; a manifest whose ``worker_layout`` differs is refused
+    before any lease. The engine connects to the sidecar at ``socket_path``
+    and maps its shared-memory pool at once, so a wrong socket fails here.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int,
+        layout: Mapping[str, Any],
+        page_pool: Any,
+        workers: int = 2,
+        max_pending: int = 16,
+        rpc_timeout: float = 30.0,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+        if not isinstance(layout, Mapping) or "page_bytes" not in layout:
+            raise ValueError("layout must be a mapping that includes page_bytes")
+        cuda = _is_cuda_tensor(page_pool)
+        if not cuda and (not isinstance(page_pool, np.ndarray) or page_pool.ndim != 2):
+            raise ValueError(
+                "page_pool must be a 2-D uint8 numpy array or CUDA tensor [num_blocks, page_bytes]"
+            )
+        if layout["page_bytes"] != page_pool.shape[1]:
+            raise ValueError(
+                f"layout page_bytes {layout['page_bytes']!r} differs from the page pool's row "
+                f"width {page_pool.shape[1]}"
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.layout: dict[str, Any] = copy.deepcopy(dict(layout))
+        self._pool = page_pool
+        if cuda:
+            self._engine = _cuda_engine(
+                os.fspath(socket_path), page_pool, workers, max_pending, rpc_timeout, self.layout
+            )
+        else:
+            self._engine = _native.TransferEngine(
+                os.fspath(socket_path),
+                page_pool,
+                workers=workers,
+                max_pending=max_pending,
+                rpc_timeout=rpc_timeout,
+                layout=self.layout,
+            )
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self._running: dict[str, _native.TransferFuture] = {}
+        self._rejected: list[str] = []
+        self._closed = False
+
+    @property
+    def engine(self) -> _native.TransferEngine:
+        """The underlying transfer engine (for status and test hooks)."""
+        return self._engine
+
+    @property
+    def is_unsafe(self) -> bool:
+        """Whether a copy may be in flight (the worker refuses all new work)."""
+        return self._engine.is_unsafe
+
+    def submit(
+        self,
+        task_id: str,
+        manifest: _native.Manifest,
+        direction: str,
+        block_ids: Sequence[Sequence[int]],
+        producer_event: int | None = None,
+    ) -> bool:
+        """Submits one task; False when it was rejected (nothing started; the
+        next :meth:`collect` reports it False).
+
+        A task id seen before raises ``ValueError``: every task is submitted
+        and reported exactly once per rank. An argument the engine refuses
+        (bad direction, rank, block ids) rejects only this task.
+        """
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be 'STORE' or 'RETRIEVE', got {direction!r}")
+        with self._lock:
+            if task_id in self._seen:
+                raise ValueError(f"checkpoint task {task_id} was already submitted on this rank")
+            self._seen.add(task_id)
+            if self._closed:
+                self._rejected.append(task_id)
+                return False
+        try:
+            future = self._engine.submit(
+                manifest, self.rank, direction, block_ids, producer_event=producer_event
+            )
+        except Exception:
+            log.exception("submitting checkpoint task %s failed; it is reported False", task_id)
+            future = None
+        with self._lock:
+            if future is None:
+                self._rejected.append(task_id)
+                return False
+            self._running[task_id] = future
+        return True
+
+    def collect(self) -> dict[str, bool]:
+        """Results of the tasks that ended since the last call, each exactly once.
+
+        Raises :class:`~lmcache_rc.errors.UnsafeCopy` when a copy may still be
+        in flight; the engine must then terminate this worker process.
+        """
+        with self._lock:
+            results = {task: False for task in self._rejected}
+            self._rejected.clear()
+            finished = [t for t, f in self._running.items() if f.done()]
+            futures = [(t, self._running.pop(t)) for t in finished]
+        unsafe: UnsafeCopy | None = None
+        for task, future in futures:
+            try:
+                results[task] = future.result()
+            except UnsafeCopy as e:
+                unsafe = unsafe or e
+                results[task] = False
+            except Exception:
+                log.exception("checkpoint task %s failed; it is reported False", task)
+                results[task] = False
+            if future.outcome == "failed":
+                log.warning("checkpoint task %s failed: %s", task, future.error)
+        if unsafe is not None:
+            raise unsafe
+        return results
+
+    def in_flight(self) -> int:
+        """Tasks submitted whose result was not collected yet (rejected included)."""
+        with self._lock:
+            return len(self._running) + len(self._rejected)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Waits until the engine has no job in flight; False on timeout."""
+        return self._engine.wait_idle(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops admission and drains admitted copies (results stay
+        collectable). Raises :class:`~lmcache_rc.errors.UnsafeCopy` when a copy
+        may still be in flight or did not drain within ``timeout``."""
+        with self._lock:
+            self._closed = True
+        self._engine.close(timeout)
+
+    def __enter__(self) -> CheckpointWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointWorker(rank={self.rank}, world_size={self.world_size}, "
+            f"in_flight={self.in_flight()}, unsafe={self.is_unsafe})"
+        )

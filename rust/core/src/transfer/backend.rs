@@ -1,0 +1,214 @@
+//! Copy backends: who moves the bytes between a page pool and shared memory.
+//!
+//! A backend receives only [`CopyPlan`]s that passed validation, so every
+//! page row and slot it touches is inside its pool and the mapping. It
+//! reports how a copy ended in a way that keeps invariant I5 checkable: a
+//! [`CopyFailure::Recoverable`] promises that nothing is in flight any more
+//! (the lease may be finished as failed), a [`CopyFailure::InFlight`] says a
+//! copy may still touch the memory (the engine turns unsafe).
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::plan::{CopyPlan, Direction, PoolShape};
+use crate::error::{Error, Result};
+use crate::store::shm::ShmPool;
+
+/// How a copy failed.
+#[derive(Debug)]
+pub enum CopyFailure {
+    /// Nothing is in flight any more: the lease can be finished as failed.
+    Recoverable(Error),
+    /// A copy may still be in flight: the memory must stay alive and the
+    /// lease must never be finished.
+    InFlight(String),
+}
+
+/// Keeps a per-mapping resource (e.g. a CUDA host registration) alive as long
+/// as the mapping is used.
+pub type Registration = Box<dyn Any + Send + Sync>;
+
+/// Moves the pages of validated plans.
+pub trait CopyBackend: Send + Sync {
+    /// `"cpu"` or `"cuda"`.
+    fn name(&self) -> &'static str;
+    /// The bound page pool's geometry.
+    fn shape(&self) -> PoolShape;
+    /// Prepares a freshly mapped shared-memory pool (CUDA: page-locks it once).
+    fn register(&self, pool: &ShmPool) -> Result<Option<Registration>>;
+    /// Whether this backend can wait on a producer event.
+    fn accepts_events(&self) -> bool;
+    /// Copies every page of `plan`, after `producer_event` (if any) completed,
+    /// and returns only when nothing is in flight (or says otherwise).
+    fn copy(
+        &self,
+        plan: &CopyPlan,
+        pool: &ShmPool,
+        producer_event: Option<u64>,
+    ) -> std::result::Result<(), CopyFailure>;
+}
+
+/// A fault the test hook injects into the next copies of a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The copy fails before moving a byte (recoverable).
+    Fail,
+    /// The copy reports that it may still be in flight (unsafe).
+    InFlight,
+    /// The copy waits this long before moving bytes (holds a copy in flight).
+    Delay(Duration),
+}
+
+/// Faults queued by tests, consumed one per copy.
+#[derive(Debug, Default)]
+pub struct FaultQueue(Mutex<VecDeque<Fault>>);
+
+impl FaultQueue {
+    /// Queues `count` copies of `fault`.
+    pub fn push(&self, fault: Fault, count: usize) {
+        let mut q = self.0.lock();
+        q.extend(std::iter::repeat_n(fault, count));
+    }
+
+    /// Applies the next fault, if any: `Err` for Fail/InFlight, a sleep for Delay.
+    pub fn apply(&self) -> std::result::Result<(), CopyFailure> {
+        let next = self.0.lock().pop_front();
+        match next {
+            None => Ok(()),
+            Some(Fault::Fail) => Err(CopyFailure::Recoverable(Error::Device(
+                "injected copy failure (test hook)".into(),
+            ))),
+            Some(Fault::InFlight) => Err(CopyFailure::InFlight(
+                "injected fault: the copy may still be in flight (test hook)".into(),
+            )),
+            Some(Fault::Delay(d)) => {
+                std::thread::sleep(d);
+                Ok(())
+            }
+        }
+    }
+
+    /// Drops every queued fault.
+    pub fn clear(&self) {
+        self.0.lock().clear();
+    }
+}
+
+/// The host backend: the page pool is ordinary memory (e.g. a numpy array)
+/// and pages are copied with `memcpy` on the engine's copy threads.
+pub struct CpuBackend {
+    base: *mut u8,
+    shape: PoolShape,
+    faults: FaultQueue,
+}
+
+// SAFETY: `CpuBackend` only stores the base address of memory that
+// `CpuBackend::new`'s caller keeps alive for the backend's whole life; all
+// access goes through validated plans on the copy threads, and concurrent
+// plans never share a page row (the connector pins distinct rows per job).
+unsafe impl Send for CpuBackend {}
+// SAFETY: see `Send`; the backend has no interior state besides the fault
+// queue, which is behind a mutex.
+unsafe impl Sync for CpuBackend {}
+
+impl CpuBackend {
+    /// A backend over `num_blocks` rows of `page_bytes` at `base`.
+    ///
+    /// # Safety
+    ///
+    /// `base` must point to `num_blocks * page_bytes` writable bytes that stay
+    /// valid (not freed, not moved) for the whole life of the backend, and —
+    /// if the engine turns unsafe — until the process ends. Rows named by a
+    /// job must not be written by others while that job copies.
+    pub unsafe fn new(base: *mut u8, shape: PoolShape) -> Result<CpuBackend> {
+        check_shape(shape)?;
+        if base.is_null() {
+            return Err(Error::invalid("the page pool's address is null"));
+        }
+        Ok(CpuBackend {
+            base,
+            shape,
+            faults: FaultQueue::default(),
+        })
+    }
+
+    /// The test hook's fault queue.
+    pub fn faults(&self) -> &FaultQueue {
+        &self.faults
+    }
+}
+
+/// Refuses an empty or overflowing pool shape.
+pub fn check_shape(shape: PoolShape) -> Result<()> {
+    if shape.num_blocks < 2 || shape.page_bytes == 0 {
+        return Err(Error::invalid(format!(
+            "a page pool needs at least 2 rows (row 0 is the null page) of at least 1 byte, got \
+             {} rows of {} bytes",
+            shape.num_blocks, shape.page_bytes
+        )));
+    }
+    let total = shape.num_blocks.checked_mul(shape.page_bytes);
+    if total.is_none_or(|t| usize::try_from(t).is_err() || t > isize::MAX as u64) {
+        return Err(Error::invalid(
+            "the page pool is larger than the address space",
+        ));
+    }
+    Ok(())
+}
+
+impl CopyBackend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn shape(&self) -> PoolShape {
+        self.shape
+    }
+
+    fn register(&self, _pool: &ShmPool) -> Result<Option<Registration>> {
+        Ok(None)
+    }
+
+    fn accepts_events(&self) -> bool {
+        false
+    }
+
+    fn copy(
+        &self,
+        plan: &CopyPlan,
+        pool: &ShmPool,
+        _producer_event: Option<u64>,
+    ) -> std::result::Result<(), CopyFailure> {
+        self.faults.apply()?;
+        let width = plan.page_bytes as usize;
+        let shm = pool.as_ptr();
+        for page in &plan.pages {
+            // Both are in range: plan validation bounded the block by
+            // `num_blocks` and the slot by the pool size (see below).
+            let row = (page.block * self.shape.page_bytes) as usize;
+            let slot = page.shm_offset as usize;
+            // SAFETY: `plan_copy`/`check_job` proved `0 < block < num_blocks`,
+            // `page_bytes == shape.page_bytes` and `shm_offset + page_bytes <=
+            // pool.size()`, so both ranges lie inside live allocations (the
+            // page pool kept alive per `new`'s contract, the mapping by `pool`).
+            // The page pool is private memory and the SHM is a separate
+            // mapping, so the ranges cannot overlap. The lease gives this job
+            // exclusive use of the slot, and the connector's pin gives it the
+            // row; no Rust references to either range exist.
+            unsafe {
+                match plan.direction {
+                    Direction::Store => {
+                        std::ptr::copy_nonoverlapping(self.base.add(row), shm.add(slot), width)
+                    }
+                    Direction::Retrieve => {
+                        std::ptr::copy_nonoverlapping(shm.add(slot), self.base.add(row), width)
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

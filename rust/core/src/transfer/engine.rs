@@ -1,0 +1,925 @@
+//! The transfer engine: bounded admission, copy threads, lease protocol.
+//!
+//! See the [module documentation](super) for the job life cycle and the
+//! failure classes.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::backend::{CopyBackend, CopyFailure, Registration};
+use super::plan::{self, Direction};
+use super::sidecar::{LeaseAnswer, LeaseApi, LeaseCall};
+use crate::error::{Error, ErrorKind, Result};
+use crate::manifest::{Manifest, PayloadSchema};
+use crate::service::{Capabilities, Lease, LeaseStatus};
+use crate::store::shm::ShmPool;
+
+/// Settings of a [`TransferEngine`].
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Copy threads (jobs copied at once), at least 1.
+    pub workers: usize,
+    /// Jobs admitted at once (queued + copying), at least `workers`.
+    pub max_pending: usize,
+    /// Bound of every lease RPC and of the busy/pending waits.
+    pub rpc_timeout: Duration,
+    /// The worker's address-free byte layout; when set, a job whose manifest
+    /// payload carries a different `worker_layout` is refused before leasing.
+    pub layout: Option<serde_json::Value>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            workers: 2,
+            max_pending: 16,
+            rpc_timeout: Duration::from_secs(30),
+            layout: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    fn check(&self) -> Result<()> {
+        if self.workers == 0 || self.workers > 64 {
+            return Err(Error::invalid(format!(
+                "workers must be in 1..=64, got {}",
+                self.workers
+            )));
+        }
+        if self.max_pending < self.workers {
+            return Err(Error::invalid(format!(
+                "max_pending ({}) must be at least workers ({})",
+                self.max_pending, self.workers
+            )));
+        }
+        if self.rpc_timeout.is_zero() {
+            return Err(Error::invalid("rpc_timeout must be positive"));
+        }
+        Ok(())
+    }
+}
+
+/// One transfer: one rank's pages of one generation, one direction.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// The generation.
+    pub manifest: Manifest,
+    /// This worker's rank.
+    pub rank: u32,
+    /// Store (pool → SHM) or retrieve (SHM → pool).
+    pub direction: Direction,
+    /// Page-pool rows per manifest page group (auxiliary group last).
+    pub block_ids: Vec<Vec<u64>>,
+    /// A backend event (CUDA: a `CUevent` handle) the copy must wait for.
+    pub producer_event: Option<u64>,
+}
+
+/// How a job ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every page was copied and the lease finished.
+    Copied,
+    /// Nothing was copied: a miss, busy past the bound, a timeout, closing.
+    Miss(String),
+    /// A recoverable failure: nothing in flight, the lease was finished as failed.
+    Failed(Error),
+    /// A copy may be in flight or a lease could not be reconciled: the engine
+    /// turned unsafe and the lease was left unfinished.
+    Unsafe(String),
+}
+
+impl Outcome {
+    /// The boolean reported for the rank: true only for [`Outcome::Copied`].
+    pub fn succeeded(&self) -> bool {
+        matches!(self, Outcome::Copied)
+    }
+    /// `"copied"`, `"miss"`, `"failed"` or `"unsafe"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::Copied => "copied",
+            Outcome::Miss(_) => "miss",
+            Outcome::Failed(_) => "failed",
+            Outcome::Unsafe(_) => "unsafe",
+        }
+    }
+    /// Why the job did not copy (None for copied).
+    pub fn reason(&self) -> Option<String> {
+        match self {
+            Outcome::Copied => None,
+            Outcome::Miss(r) | Outcome::Unsafe(r) => Some(r.clone()),
+            Outcome::Failed(e) => Some(e.to_string()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct HandleState {
+    outcome: Mutex<Option<Outcome>>,
+    done: Condvar,
+}
+
+/// The future of a submitted job; cheap to clone.
+#[derive(Clone)]
+pub struct JobHandle(Arc<HandleState>);
+
+impl JobHandle {
+    /// Whether the job ended.
+    pub fn is_done(&self) -> bool {
+        self.0.outcome.lock().is_some()
+    }
+
+    /// Waits up to `timeout` (None = forever); false if it did not end in time.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut o = self.0.outcome.lock();
+        while o.is_none() {
+            match deadline {
+                None => self.0.done.wait(&mut o),
+                Some(d) => {
+                    if self.0.done.wait_until(&mut o, d).timed_out() {
+                        return o.is_some();
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Calls `f` with the outcome if the job ended.
+    pub fn with_outcome<R>(&self, f: impl FnOnce(&Outcome) -> R) -> Option<R> {
+        self.0.outcome.lock().as_ref().map(f)
+    }
+
+    fn finish(&self, outcome: Outcome) {
+        *self.0.outcome.lock() = Some(outcome);
+        self.0.done.notify_all();
+    }
+}
+
+/// A mapped pool with what the sidecar said about it.
+struct Mapped {
+    pool: ShmPool,
+    caps: Capabilities,
+    _registration: Option<Registration>,
+}
+
+/// A job whose lease is granted and whose plan passed validation.
+struct Leased {
+    /// The lease to finish after the copy.
+    lease_id: String,
+    plan: plan::CopyPlan,
+    mapped: Arc<Mapped>,
+}
+
+/// Both stages' queues. Lease threads take `jobs`, obtain and validate a
+/// lease and put it into `ready`; copy threads copy `ready` items and finish
+/// their leases. At most `workers` jobs are being leased or wait leased, so
+/// each copy thread has its next lease prepared while it copies, and no more
+/// slots are held than the copies can use.
+struct Queue {
+    jobs: VecDeque<(Job, JobHandle)>,
+    ready: VecDeque<(Job, JobHandle, Leased)>,
+    /// Jobs a lease thread is working on.
+    leasing: usize,
+    admitted: usize,
+    closing: bool,
+}
+
+struct Inner {
+    api: Box<dyn LeaseApi>,
+    backend: Arc<dyn CopyBackend>,
+    config: EngineConfig,
+    queue: Mutex<Queue>,
+    /// Signals new work (copy threads) and idleness (close / wait_idle).
+    changed: Condvar,
+    unsafe_reason: Mutex<Option<String>>,
+    is_unsafe: AtomicBool,
+    mapping: Mutex<Option<Arc<Mapped>>>,
+    remaps: Mutex<u64>,
+}
+
+/// Counters of an engine (for status and tests).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Jobs queued or copying.
+    pub in_flight: usize,
+    /// Times the shared-memory pool was (re)mapped.
+    pub mappings: u64,
+    /// Whether the engine is unsafe.
+    pub is_unsafe: bool,
+}
+
+/// Background copies between a worker's page pool and the sidecar's shared
+/// memory; one engine per worker rank.
+pub struct TransferEngine {
+    inner: Arc<Inner>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl TransferEngine {
+    /// Starts an engine: maps the sidecar's pool now (so a wrong socket, pool
+    /// or size fails here with a clear error) and starts the copy threads.
+    pub fn start(
+        api: Box<dyn LeaseApi>,
+        backend: Arc<dyn CopyBackend>,
+        config: EngineConfig,
+    ) -> Result<TransferEngine> {
+        config.check()?;
+        super::backend::check_shape(backend.shape())?;
+        let inner = Arc::new(Inner {
+            api,
+            backend,
+            queue: Mutex::new(Queue {
+                jobs: VecDeque::new(),
+                ready: VecDeque::new(),
+                leasing: 0,
+                admitted: 0,
+                closing: false,
+            }),
+            changed: Condvar::new(),
+            unsafe_reason: Mutex::new(None),
+            is_unsafe: AtomicBool::new(false),
+            mapping: Mutex::new(None),
+            remaps: Mutex::new(0),
+            config,
+        });
+        inner.mapped()?;
+        let mut threads = Vec::new();
+        for i in 0..inner.config.workers {
+            for copy in [false, true] {
+                let thread_inner = inner.clone();
+                let name = if copy {
+                    format!("lmcache_rc_copy{i}")
+                } else {
+                    format!("lmcache_rc_lease{i}")
+                };
+                let started = std::thread::Builder::new().name(name).spawn(move || {
+                    if copy {
+                        thread_inner.copy_loop()
+                    } else {
+                        thread_inner.lease_loop()
+                    }
+                });
+                match started {
+                    Ok(t) => threads.push(t),
+                    Err(e) => {
+                        let engine = TransferEngine {
+                            inner,
+                            threads: Mutex::new(threads),
+                        };
+                        drop(engine);
+                        return Err(Error::io("start a transfer thread", e));
+                    }
+                }
+            }
+        }
+        Ok(TransferEngine {
+            inner,
+            threads: Mutex::new(threads),
+        })
+    }
+
+    /// Admits a job. `Ok(None)` = refused, nothing started (closing, unsafe or
+    /// `max_pending` jobs in flight); an invalid rank or direction/event
+    /// combination is an error.
+    pub fn submit(&self, job: Job) -> Result<Option<JobHandle>> {
+        if job.rank >= job.manifest.world_size() {
+            return Err(Error::invalid(format!(
+                "rank {} is outside 0..{} (the manifest's world size)",
+                job.rank,
+                job.manifest.world_size()
+            )));
+        }
+        if job.producer_event.is_some() && !self.inner.backend.accepts_events() {
+            return Err(Error::invalid(format!(
+                "the {} backend takes no producer event",
+                self.inner.backend.name()
+            )));
+        }
+        if self.inner.is_unsafe.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let mut q = self.inner.queue.lock();
+        if q.closing || q.admitted >= self.inner.config.max_pending {
+            return Ok(None);
+        }
+        let handle = JobHandle(Arc::new(HandleState::default()));
+        q.admitted += 1;
+        q.jobs.push_back((job, handle.clone()));
+        drop(q);
+        self.inner.changed.notify_all();
+        Ok(Some(handle))
+    }
+
+    /// Jobs admitted and not yet ended.
+    pub fn in_flight(&self) -> usize {
+        self.inner.queue.lock().admitted
+    }
+
+    /// Whether a copy may be in flight (admission stopped for good).
+    pub fn is_unsafe(&self) -> bool {
+        self.inner.is_unsafe.load(Ordering::SeqCst)
+    }
+
+    /// Why the engine turned unsafe.
+    pub fn unsafe_reason(&self) -> Option<String> {
+        self.inner.unsafe_reason.lock().clone()
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.backend.name()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            in_flight: self.in_flight(),
+            mappings: *self.inner.remaps.lock(),
+            is_unsafe: self.is_unsafe(),
+        }
+    }
+
+    /// The capabilities of the currently mapped pool.
+    pub fn capabilities(&self) -> Option<Capabilities> {
+        self.inner.mapping.lock().as_ref().map(|m| m.caps.clone())
+    }
+
+    /// Waits until no job is in flight (None = forever); false on timeout.
+    pub fn wait_idle(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut q = self.inner.queue.lock();
+        while q.admitted > 0 {
+            match deadline {
+                None => self.inner.changed.wait(&mut q),
+                Some(d) => {
+                    if self.inner.changed.wait_until(&mut q, d).timed_out() {
+                        return q.admitted == 0;
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Stops admission and waits for every admitted job (queued copies are
+    /// not cancelled). Raises [`Error::UnsafeCopy`] when the engine is unsafe
+    /// or the copies did not drain within `timeout`: then the page pool and the
+    /// mapping must stay alive until the process ends.
+    pub fn close(&self, timeout: Option<Duration>) -> Result<()> {
+        {
+            let mut q = self.inner.queue.lock();
+            q.closing = true;
+        }
+        self.inner.changed.notify_all();
+        if !self.wait_idle(timeout) {
+            return Err(Error::UnsafeCopy(format!(
+                "{} transfer(s) did not drain within {:.1} s; the worker must exit before its \
+                 memory is released",
+                self.in_flight(),
+                timeout.unwrap_or_default().as_secs_f64()
+            )));
+        }
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for t in threads {
+            if t.join().is_err() {
+                log::error!("a copy thread panicked");
+            }
+        }
+        if let Some(reason) = self.unsafe_reason() {
+            return Err(Error::UnsafeCopy(format!(
+                "the transfer engine is unsafe: {reason}; the worker process must exit before \
+                 its page pool and shared memory are released"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Test hook: forget the current mapping so the next job maps again.
+    pub fn drop_mapping(&self) {
+        *self.inner.mapping.lock() = None;
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        if let Err(e) = self.close(None) {
+            log::error!("closing the transfer engine: {e}");
+        }
+        if self.is_unsafe() {
+            // A copy may still touch the mapping: keep it alive for good.
+            if let Some(m) = self.inner.mapping.lock().take() {
+                std::mem::forget(m);
+            }
+        }
+    }
+}
+
+/// Sleep between busy retries / polls: doubling, capped, never past the deadline.
+fn backoff_sleep(step: &mut Duration, cap: Duration, deadline: Instant) {
+    let left = deadline.saturating_duration_since(Instant::now());
+    std::thread::sleep((*step).min(left));
+    *step = (*step * 2).min(cap);
+}
+
+/// Whether a call ends a lease (its outcome decides whether slots are free).
+fn is_finish(call: &LeaseCall) -> bool {
+    matches!(
+        call,
+        LeaseCall::FinishStore { .. } | LeaseCall::FinishRetrieve { .. }
+    )
+}
+
+/// What a lease RPC produced.
+enum Rpc<T> {
+    Ok(T),
+    /// The server refused or the connection failed: nothing to reconcile.
+    Err(Error),
+    /// No reply even after waiting twice: ownership unknown.
+    Unresolved(String),
+    /// The reply came late and was discarded (lease released): a drained timeout.
+    Drained(String),
+}
+
+impl Inner {
+    /// Stage 1: take a job, obtain and validate its lease, hand it to a copy thread.
+    fn lease_loop(self: Arc<Self>) {
+        loop {
+            let next = {
+                let mut q = self.queue.lock();
+                loop {
+                    if q.leasing + q.ready.len() < self.config.workers {
+                        if let Some(job) = q.jobs.pop_front() {
+                            q.leasing += 1;
+                            break Some(job);
+                        }
+                    }
+                    if q.closing && q.jobs.is_empty() {
+                        break None;
+                    }
+                    self.changed.wait(&mut q);
+                }
+            };
+            let Some((job, handle)) = next else { return };
+            let staged =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.acquire(&job)))
+                    .unwrap_or_else(|_| Err(self.turn_unsafe("a transfer thread panicked".into())));
+            let mut q = self.queue.lock();
+            q.leasing -= 1;
+            match staged {
+                Ok(leased) => q.ready.push_back((job, handle, leased)),
+                Err(outcome) => {
+                    drop(q);
+                    self.complete(&job, &handle, outcome);
+                    continue;
+                }
+            }
+            drop(q);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Stage 2: copy a leased job and finish its lease.
+    fn copy_loop(self: Arc<Self>) {
+        loop {
+            let next = {
+                let mut q = self.queue.lock();
+                loop {
+                    if let Some(item) = q.ready.pop_front() {
+                        break Some(item);
+                    }
+                    if q.closing && q.jobs.is_empty() && q.leasing == 0 {
+                        break None;
+                    }
+                    self.changed.wait(&mut q);
+                }
+            };
+            let Some((job, handle, leased)) = next else {
+                return;
+            };
+            self.changed.notify_all();
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.transfer(&job, leased)
+            }))
+            .unwrap_or_else(|_| self.turn_unsafe("a copy thread panicked during a copy".into()));
+            self.complete(&job, &handle, outcome);
+        }
+    }
+
+    /// Logs an outcome, resolves the job's future and releases its admission.
+    fn complete(&self, job: &Job, handle: &JobHandle, outcome: Outcome) {
+        match &outcome {
+            Outcome::Copied => {}
+            Outcome::Miss(r) => {
+                log::debug!("{} rank {}: miss ({r})", job.direction.as_str(), job.rank)
+            }
+            Outcome::Failed(e) => log::warn!(
+                "{} of generation {} rank {} failed: {e}",
+                job.direction.as_str(),
+                job.manifest.generation(),
+                job.rank
+            ),
+            Outcome::Unsafe(r) => log::error!(
+                "{} of generation {} rank {}: {r}",
+                job.direction.as_str(),
+                job.manifest.generation(),
+                job.rank
+            ),
+        }
+        // Free the admission slot before anyone can see the result, so a
+        // caller that submits as soon as a job ends is never refused for it.
+        let mut q = self.queue.lock();
+        q.admitted -= 1;
+        handle.finish(outcome);
+        drop(q);
+        self.changed.notify_all();
+    }
+
+    fn turn_unsafe(&self, reason: String) -> Outcome {
+        self.is_unsafe.store(true, Ordering::SeqCst);
+        let mut r = self.unsafe_reason.lock();
+        if r.is_none() {
+            *r = Some(reason.clone());
+        }
+        Outcome::Unsafe(reason)
+    }
+
+    fn closing(&self) -> bool {
+        self.queue.lock().closing
+    }
+
+    /// The current mapping; maps (again) when there is none or the sidecar
+    /// recreated its pool since.
+    fn mapped(&self) -> Result<Arc<Mapped>> {
+        let mut slot = self.mapping.lock();
+        if let Some(m) = slot.as_ref() {
+            if m.pool.is_current() {
+                return Ok(m.clone());
+            }
+            log::info!(
+                "shared-memory pool {} was replaced (sidecar restarted): mapping it again",
+                m.pool.name()
+            );
+            *slot = None;
+        }
+        let caps = self.api.capabilities()?;
+        let pool = ShmPool::open(&caps.shm_name, caps.pool_size)?;
+        plan::check_pool(&caps, &pool)?;
+        let registration = self.backend.register(&pool)?;
+        let m = Arc::new(Mapped {
+            pool,
+            caps,
+            _registration: registration,
+        });
+        *slot = Some(m.clone());
+        *self.remaps.lock() += 1;
+        Ok(m)
+    }
+
+    fn forget_mapping(&self, stale: &Arc<Mapped>) {
+        let mut slot = self.mapping.lock();
+        if slot.as_ref().is_some_and(|m| Arc::ptr_eq(m, stale)) {
+            *slot = None;
+        }
+    }
+
+    /// Sends `call` and waits for its reply, twice at most (spec §7.3).
+    fn rpc(&self, call: LeaseCall) -> Rpc<LeaseAnswer> {
+        let name = call.name();
+        let timeout = self.config.rpc_timeout;
+        let handle = self.api.call(call.clone());
+        let first = handle.wait(timeout);
+        let answer = match first {
+            Err(e) if e.kind() == ErrorKind::Timeout => match handle.wait(timeout) {
+                Err(e) if e.kind() == ErrorKind::Timeout => {
+                    return Rpc::Unresolved(format!(
+                        "{name} got no reply within 2 x {:.1} s",
+                        timeout.as_secs_f64()
+                    ));
+                }
+                // A finish that timed out and then failed: whether the lease
+                // ended is unknown (spec §7.3: "still nothing / error").
+                Err(e) if is_finish(&call) => {
+                    return Rpc::Unresolved(format!("{name} timed out, then failed: {e}"));
+                }
+                Err(e) => return Rpc::Err(e),
+                Ok(late) => return self.discard_late(&call, late),
+            },
+            Err(e) => return Rpc::Err(e),
+            Ok(a) => a,
+        };
+        Rpc::Ok(answer)
+    }
+
+    /// A lease reply that arrived after the first deadline: release whatever
+    /// it granted without copying.
+    fn discard_late(&self, call: &LeaseCall, late: LeaseAnswer) -> Rpc<LeaseAnswer> {
+        let name = call.name();
+        let LeaseAnswer::Lease(lease) = &late else {
+            // A late finish/cancel reply: the operation completed.
+            return Rpc::Ok(late);
+        };
+        let discard = match (call, lease.status, &lease.lease_id) {
+            (LeaseCall::PrepareStore { .. }, LeaseStatus::Ready, Some(id)) => {
+                Some(LeaseCall::FinishStore {
+                    lease_id: id.clone(),
+                    success: false,
+                })
+            }
+            (_, LeaseStatus::Ready, Some(id)) => Some(LeaseCall::FinishRetrieve {
+                lease_id: id.clone(),
+            }),
+            (_, LeaseStatus::Pending, Some(id)) => Some(LeaseCall::CancelRetrieve {
+                lease_id: id.clone(),
+            }),
+            _ => None,
+        };
+        if let Some(d) = discard {
+            match self.api.call(d).wait(self.config.rpc_timeout) {
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Rpc::Unresolved(format!(
+                        "{name} answered late and its lease could not be released: {e}"
+                    ));
+                }
+            }
+        }
+        Rpc::Drained(format!(
+            "{name} answered only after {:.1} s; its lease was released unused",
+            self.config.rpc_timeout.as_secs_f64()
+        ))
+    }
+
+    /// A lease call whose unresolved reply makes the engine unsafe.
+    fn lease_rpc(&self, call: LeaseCall, exposes: bool) -> std::result::Result<Lease, Outcome> {
+        match self.rpc(call) {
+            Rpc::Ok(LeaseAnswer::Lease(l)) => Ok(l),
+            Rpc::Ok(other) => Err(Outcome::Failed(Error::Protocol(format!(
+                "expected a lease, the sidecar answered {other:?}"
+            )))),
+            Rpc::Err(e) => Err(Outcome::Failed(e)),
+            Rpc::Drained(r) => Err(Outcome::Failed(Error::Timeout(r))),
+            Rpc::Unresolved(r) if exposes => {
+                Err(self.turn_unsafe(format!("lease ownership could not drain: {r}")))
+            }
+            Rpc::Unresolved(r) => Err(Outcome::Miss(r)),
+        }
+    }
+
+    /// Ends a lease; an unresolvable finish makes the engine unsafe.
+    fn finish(&self, call: LeaseCall) -> std::result::Result<(), Outcome> {
+        match self.rpc(call) {
+            Rpc::Ok(_) | Rpc::Drained(_) => Ok(()),
+            Rpc::Err(e) if e.kind() == ErrorKind::Unavailable => {
+                // The sidecar is gone, and its leases with it.
+                Err(Outcome::Failed(e))
+            }
+            Rpc::Err(e) => Err(Outcome::Failed(e)),
+            Rpc::Unresolved(r) => {
+                Err(self.turn_unsafe(format!("completion ownership could not drain: {r}")))
+            }
+        }
+    }
+
+    /// Checks, maps, leases and validates: a lease ready to copy, or how the
+    /// job ended without copying.
+    fn acquire(&self, job: &Job) -> std::result::Result<Leased, Outcome> {
+        if let Some(reason) = self.unsafe_reason.lock().clone() {
+            // Admitted before the engine turned unsafe: start nothing new.
+            return Err(Outcome::Failed(Error::UnsafeCopy(format!(
+                "not started: the transfer engine is unsafe ({reason})"
+            ))));
+        }
+        let schema = self.check(job).map_err(Outcome::Failed)?;
+        let mapped = self.mapped().map_err(Outcome::Failed)?;
+        let (lease, lease_id) = match job.direction {
+            Direction::Store => self.lease_store(job)?,
+            Direction::Retrieve => self.lease_retrieve(job)?,
+        };
+        match self.checked_plan(job, &schema, &lease, &mapped) {
+            Ok(plan) => Ok(Leased {
+                lease_id,
+                plan,
+                mapped,
+            }),
+            Err(e) => Err(self.release(job.direction, &lease_id, e)),
+        }
+    }
+
+    /// Finishes a lease as failed (nothing was copied into it or out of it).
+    fn release(&self, direction: Direction, lease_id: &str, cause: Error) -> Outcome {
+        let lease_id = lease_id.to_string();
+        let call = match direction {
+            Direction::Store => LeaseCall::FinishStore {
+                lease_id,
+                success: false,
+            },
+            Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id },
+        };
+        match self.finish(call) {
+            Ok(()) => Outcome::Failed(cause),
+            Err(o) => o,
+        }
+    }
+
+    /// Copies a leased job and finishes its lease.
+    fn transfer(&self, job: &Job, leased: Leased) -> Outcome {
+        let Leased {
+            lease_id,
+            plan,
+            mapped,
+        } = leased;
+        match self.backend.copy(&plan, &mapped.pool, job.producer_event) {
+            Ok(()) => {}
+            Err(CopyFailure::Recoverable(e)) => return self.release(job.direction, &lease_id, e),
+            Err(CopyFailure::InFlight(r)) => {
+                // A DMA may still touch the mapping: it must never be unmapped.
+                std::mem::forget(mapped);
+                return self.turn_unsafe(format!("DMA could not drain: {r}"));
+            }
+        }
+        let call = match job.direction {
+            Direction::Store => LeaseCall::FinishStore {
+                lease_id,
+                success: true,
+            },
+            Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id },
+        };
+        match self.finish(call) {
+            Ok(()) => Outcome::Copied,
+            Err(o) => o,
+        }
+    }
+
+    /// prepare_store, retrying *busy* with capped backoff until `rpc_timeout`.
+    fn lease_store(&self, job: &Job) -> std::result::Result<(Lease, String), Outcome> {
+        let deadline = Instant::now() + self.config.rpc_timeout;
+        let mut step = Duration::from_millis(1);
+        loop {
+            let lease = self.lease_rpc(
+                LeaseCall::PrepareStore {
+                    manifest: job.manifest.clone(),
+                    rank: job.rank,
+                },
+                true,
+            )?;
+            match lease.status {
+                LeaseStatus::Ready => {
+                    let Some(id) = lease.lease_id.clone() else {
+                        return Err(Outcome::Failed(Error::Protocol(
+                            "a ready store lease has no id".into(),
+                        )));
+                    };
+                    return Ok((lease, id));
+                }
+                LeaseStatus::Busy => {
+                    if self.closing() || Instant::now() >= deadline {
+                        return Err(Outcome::Miss(format!(
+                            "store stayed busy for {:.1} s (another lease writes its pages)",
+                            self.config.rpc_timeout.as_secs_f64()
+                        )));
+                    }
+                    backoff_sleep(&mut step, Duration::from_millis(10), deadline);
+                }
+                LeaseStatus::Miss => {
+                    return Err(Outcome::Miss(lease.reason.unwrap_or("miss").to_string()));
+                }
+                LeaseStatus::Pending => {
+                    return Err(Outcome::Failed(Error::Protocol(
+                        "prepare_store answered \"pending\"".into(),
+                    )));
+                }
+            }
+        }
+    }
+
+    /// begin_retrieve, then poll until ready; cancels at `rpc_timeout`.
+    fn lease_retrieve(&self, job: &Job) -> std::result::Result<(Lease, String), Outcome> {
+        let mut lease = self.lease_rpc(
+            LeaseCall::BeginRetrieve {
+                manifest: job.manifest.clone(),
+                rank: job.rank,
+            },
+            false,
+        )?;
+        let deadline = Instant::now() + self.config.rpc_timeout;
+        // An L1-resident restore is ready at once: poll first, then back off
+        // from 50 µs (an L2 read takes milliseconds) up to 5 ms.
+        let mut step = Duration::ZERO;
+        while lease.status == LeaseStatus::Pending {
+            let Some(id) = lease.lease_id.clone() else {
+                return Err(Outcome::Failed(Error::Protocol(
+                    "a pending retrieve has no lease id".into(),
+                )));
+            };
+            if self.closing() || Instant::now() >= deadline {
+                self.cancel(&id);
+                return Err(Outcome::Miss(format!(
+                    "the restore was not ready within {:.1} s; the request recomputes",
+                    self.config.rpc_timeout.as_secs_f64()
+                )));
+            }
+            if !step.is_zero() {
+                backoff_sleep(&mut step, Duration::from_millis(5), deadline);
+            }
+            step = step.max(Duration::from_micros(50));
+            lease = match self.lease_rpc(
+                LeaseCall::PollRetrieve {
+                    lease_id: id.clone(),
+                },
+                true,
+            ) {
+                Ok(l) => l,
+                Err(o @ Outcome::Unsafe(_)) => return Err(o),
+                // A drained timeout: the late reply's lease was already released.
+                Err(o @ Outcome::Failed(Error::Timeout(_))) => return Err(o),
+                Err(o) => {
+                    self.cancel(&id);
+                    return Err(o);
+                }
+            };
+        }
+        match (lease.status, lease.lease_id.clone()) {
+            (LeaseStatus::Ready, Some(id)) => Ok((lease, id)),
+            (LeaseStatus::Ready, None) => Err(Outcome::Failed(Error::Protocol(
+                "a ready retrieve lease has no id".into(),
+            ))),
+            (LeaseStatus::Miss, _) => {
+                Err(Outcome::Miss(lease.reason.unwrap_or("miss").to_string()))
+            }
+            (other, _) => Err(Outcome::Failed(Error::Protocol(format!(
+                "begin_retrieve answered {:?}",
+                other.as_str()
+            )))),
+        }
+    }
+
+    /// Everything that can be checked before a lease exists.
+    fn check(&self, job: &Job) -> Result<PayloadSchema> {
+        if let Some(layout) = &self.config.layout {
+            let payload: serde_json::Value = serde_json::from_slice(job.manifest.payload())
+                .map_err(|e| Error::invalid(format!("manifest payload is not JSON: {e}")))?;
+            match payload.get("worker_layout") {
+                Some(found) if found == layout => {}
+                found => {
+                    return Err(Error::invalid(format!(
+                        "target/draft byte layout does not match: the manifest has {}, this worker \
+                         is bound to {layout}",
+                        found.map_or("no worker_layout".to_string(), |v| v.to_string())
+                    )));
+                }
+            }
+        }
+        let schema = job.manifest.payload_schema()?;
+        plan::check_job(&schema, &job.block_ids, self.backend.shape())?;
+        Ok(schema)
+    }
+
+    /// The pool-replacement check (spec §9.2 step 6) and the lease validation.
+    fn checked_plan(
+        &self,
+        job: &Job,
+        schema: &PayloadSchema,
+        lease: &Lease,
+        mapped: &Arc<Mapped>,
+    ) -> Result<plan::CopyPlan> {
+        if !mapped.pool.is_current() {
+            self.forget_mapping(mapped);
+            return Err(Error::invalid(format!(
+                "the sidecar's shared-memory pool {} was replaced (restarted); the lease was \
+                 refused and the pool will be mapped again",
+                mapped.pool.name()
+            )));
+        }
+        plan::plan_copy(
+            job.direction,
+            schema,
+            &job.block_ids,
+            lease,
+            &mapped.caps,
+            &mapped.pool,
+        )
+    }
+
+    /// Cancels a pending retrieve; never fatal (it exposed no bytes).
+    fn cancel(&self, lease_id: &str) {
+        let call = LeaseCall::CancelRetrieve {
+            lease_id: lease_id.to_string(),
+        };
+        let wait = self.config.rpc_timeout.min(Duration::from_secs(1));
+        if let Err(e) = self.api.call(call).wait(wait) {
+            if e.kind() != ErrorKind::NotFound {
+                log::warn!(
+                    "cancelling retrieve lease {lease_id} failed ({e}); the sidecar releases it"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Worker transfers: background copies between a worker's page pool and the
+//! sidecar's shared memory (spec `storage-and-transfer.md` §6.2, §7, §9).
+//!
+//! One [`TransferEngine`] per worker rank owns a bounded admission queue
+//! (`max_pending` jobs, queued or in progress) and a two-stage pipeline of
+//! `workers` lease threads (`lmcache_rc_lease<i>`: steps 1–4 below) and
+//! `workers` copy threads (`lmcache_rc_copy<i>`: steps 5–6). At most
+//! `workers` jobs are being leased or wait leased, so each copy thread's next
+//! lease is ready when its copy ends and no more slots are held than the
+//! copies can use. A [`Job`] is one rank's pages of one generation in
+//! one [`Direction`]. Its life:
+//!
+//! 1. **Check** before any lease: the manifest's `worker_layout` equals the
+//!    bound layout; page groups match the block ids (widths, counts, `0 < id
+//!    < num_blocks`, ids distinct) — [`plan::check_job`].
+//! 2. **Map**: the sidecar's pool is opened by name (never created or
+//!    unlinked), checked against the capabilities, and mapped again when the
+//!    sidecar recreated it (restart).
+//! 3. **Lease**: STORE calls prepare_store and retries *busy* with a doubling
+//!    sleep (1 → 10 ms) until `rpc_timeout`; RETRIEVE calls begin_retrieve and
+//!    polls (at once, then 50 µs doubling to 5 ms) until `rpc_timeout`, then
+//!    cancels (never fatal: a
+//!    pending lookup exposed no bytes).
+//! 4. **Validate** the lent slots against the mapped pool — [`plan::plan_copy`];
+//!    a pool replaced since mapping fails the lease ("replaced").
+//! 5. **Copy** through the [`CopyBackend`] (cpu or cuda), which returns only
+//!    when nothing is in flight, or says that something may be.
+//! 6. **Finish** the lease (store: success flag; retrieve: release).
+//!
+//! Outcomes ([`Outcome`]): *copied* (true), *miss* and *failed* (false; a
+//! failed job finished its lease as failed, nothing is in flight), and
+//! *unsafe*: a copy may be in flight or a lease reply could not be
+//! reconciled (spec §7.3: every RPC is waited for twice on the same reply;
+//! a late lease is released unused). An unsafe engine never finishes that
+//! lease, refuses every later submit and its `close` fails with
+//! [`crate::Error::UnsafeCopy`]; its mapping is leaked so that no in-flight
+//! DMA can touch freed memory (invariant I5).
+
+mod backend;
+pub mod cuda;
+mod engine;
+pub mod plan;
+mod sidecar;
+
+pub use backend::{CopyBackend, CopyFailure, CpuBackend, Fault, FaultQueue, Registration};
+pub use engine::{EngineConfig, EngineStats, Job, JobHandle, Outcome, TransferEngine};
+pub use plan::{CopyPlan, Direction, PageCopy, PoolShape};
+pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};

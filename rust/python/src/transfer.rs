@@ -1,0 +1,450 @@
+//! `TransferEngine` and `TransferFuture`: the worker-side copy engine.
+//!
+//! The cpu backend binds a numpy array (uint8, C-contiguous, writable,
+//! `[num_blocks, page_bytes]`) and keeps a reference to it for the engine's
+//! life, so the memory cannot be freed under a copy; when the engine turns
+//! unsafe the reference is leaked on purpose (a copy may still touch it).
+//! The cuda backend binds a device address (e.g. a torch tensor's
+//! `data_ptr()`), which the caller keeps alive.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lmcache_rc_core::rpc::{Client, ClientConfig};
+use lmcache_rc_core::transfer::{
+    CopyBackend, CpuBackend, EngineConfig, Fault, FaultQueue, Job, JobHandle, Outcome, PoolShape,
+    TransferEngine, cuda,
+};
+use lmcache_rc_core::transfer::{Direction, cuda::CudaBackend};
+use lmcache_rc_core::{Error, ErrorKind};
+use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::identity::PyManifest;
+use crate::service::capabilities_dict;
+
+/// Which backend an engine uses, with what the test hook needs.
+enum BackendRef {
+    Cpu(Arc<CpuBackend>),
+    Cuda(Arc<CudaBackend>),
+}
+
+impl BackendRef {
+    fn faults(&self) -> &FaultQueue {
+        match self {
+            BackendRef::Cpu(b) => b.faults(),
+            BackendRef::Cuda(b) => b.faults(),
+        }
+    }
+}
+
+/// Background copies between this worker's page pool and the sidecar's
+/// shared memory (one engine per worker rank).
+#[pyclass(name = "TransferEngine", module = "lmcache_rc._native", frozen)]
+pub struct PyTransferEngine {
+    engine: TransferEngine,
+    backend: BackendRef,
+    shape: PoolShape,
+    /// Keeps the numpy page pool alive (cpu backend).
+    pool: Option<Py<PyAny>>,
+}
+
+fn positive_usize(value: i64, name: &str) -> PyResult<usize> {
+    usize::try_from(value)
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| invalid(format!("{name} must be a positive integer, got {value}")))
+}
+
+fn engine_config(
+    py: Python<'_>,
+    workers: i64,
+    max_pending: i64,
+    rpc_timeout: f64,
+    layout: Option<&Bound<'_, PyAny>>,
+) -> PyResult<EngineConfig> {
+    if !(rpc_timeout.is_finite() && rpc_timeout > 0.0) {
+        return Err(invalid("rpc_timeout must be a positive number of seconds"));
+    }
+    let layout = match layout {
+        None => None,
+        Some(l) if l.is_none() => None,
+        Some(l) => {
+            if !l.is_instance_of::<PyDict>() {
+                return Err(invalid(
+                    "layout must be a dict (the worker's address-free byte layout)",
+                ));
+            }
+            let text: String = py.import("json")?.call_method1("dumps", (l,))?.extract()?;
+            Some(
+                serde_json::from_str(&text)
+                    .map_err(|e| invalid(format!("layout is not JSON-serialisable: {e}")))?,
+            )
+        }
+    };
+    Ok(EngineConfig {
+        workers: positive_usize(workers, "workers")?,
+        max_pending: positive_usize(max_pending, "max_pending")?,
+        rpc_timeout: Duration::from_secs_f64(rpc_timeout.min(1e6)),
+        layout,
+    })
+}
+
+fn connect(py: Python<'_>, socket_path: std::path::PathBuf, rpc_timeout: f64) -> PyResult<Client> {
+    let config = ClientConfig {
+        timeout: Duration::from_secs_f64(rpc_timeout.clamp(0.001, 1e6)),
+        ..ClientConfig::default()
+    };
+    py.detach(|| Client::connect_with(&socket_path, config))
+        .py()
+}
+
+fn start(
+    py: Python<'_>,
+    client: Client,
+    backend: Arc<dyn CopyBackend>,
+    config: EngineConfig,
+) -> PyResult<TransferEngine> {
+    py.detach(|| TransferEngine::start(Box::new(client), backend, config))
+        .py()
+}
+
+#[pymethods]
+impl PyTransferEngine {
+    /// A cpu-backend engine over `page_pool` (numpy uint8, C-contiguous,
+    /// writable, `[num_blocks, page_bytes]`; row 0 is never touched).
+    /// Connects to the sidecar at `socket_path` and maps its pool now.
+    #[new]
+    #[pyo3(signature = (socket_path, page_pool, *, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    fn new(
+        py: Python<'_>,
+        socket_path: std::path::PathBuf,
+        page_pool: &Bound<'_, PyAny>,
+        workers: i64,
+        max_pending: i64,
+        rpc_timeout: f64,
+        layout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let array = page_pool.cast::<PyArray2<u8>>().map_err(|_| {
+            invalid("page_pool must be a 2-D numpy uint8 array [num_blocks, page_bytes]")
+        })?;
+        if !array.is_c_contiguous() {
+            return Err(invalid("page_pool must be C-contiguous"));
+        }
+        let writeable: bool = array.getattr("flags")?.getattr("writeable")?.extract()?;
+        if !writeable {
+            return Err(invalid("page_pool must be writable"));
+        }
+        let dims = array.shape();
+        let shape = PoolShape {
+            num_blocks: dims[0] as u64,
+            page_bytes: dims[1] as u64,
+        };
+        // SAFETY: the array is C-contiguous with `num_blocks * page_bytes`
+        // bytes at `data()`, and `self.pool` keeps it alive (and is leaked if
+        // the engine turns unsafe) for as long as the backend can copy.
+        let backend = Arc::new(unsafe { CpuBackend::new(array.data(), shape) }.py()?);
+        let client = connect(py, socket_path, rpc_timeout)?;
+        let engine = start(py, client, backend.clone(), config)?;
+        Ok(PyTransferEngine {
+            engine,
+            backend: BackendRef::Cpu(backend),
+            shape,
+            pool: Some(page_pool.clone().unbind()),
+        })
+    }
+
+    /// A cuda-backend engine over device memory at `device_ptr` (e.g. a
+    /// contiguous uint8 CUDA tensor's `data_ptr()`) of `num_blocks` rows of
+    /// `page_bytes`. Raises `DeviceError` when no CUDA driver is present.
+    #[staticmethod]
+    #[pyo3(signature = (socket_path, device_ptr, num_blocks, page_bytes, *, device = 0, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda(
+        py: Python<'_>,
+        socket_path: std::path::PathBuf,
+        device_ptr: u64,
+        num_blocks: u64,
+        page_bytes: u64,
+        device: i32,
+        workers: i64,
+        max_pending: i64,
+        rpc_timeout: f64,
+        layout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let shape = PoolShape {
+            num_blocks,
+            page_bytes,
+        };
+        // SAFETY: the caller keeps the device allocation alive (documented).
+        let backend = Arc::new(
+            py.detach(|| unsafe { CudaBackend::new(device, device_ptr, shape) })
+                .py()?,
+        );
+        let client = connect(py, socket_path, rpc_timeout)?;
+        let engine = start(py, client, backend.clone(), config)?;
+        Ok(PyTransferEngine {
+            engine,
+            backend: BackendRef::Cuda(backend),
+            shape,
+            pool: None,
+        })
+    }
+
+    /// Raises `DeviceError` saying what is missing unless the CUDA driver
+    /// library (with every function the cuda backend uses) is present.
+    #[staticmethod]
+    fn check_cuda_driver() -> PyResult<()> {
+        cuda::driver_available().py()
+    }
+
+    /// Admits a job: `direction` "STORE" or "RETRIEVE", `block_ids` the
+    /// page-pool rows per manifest page group (auxiliary group last). Returns
+    /// a `TransferFuture`, or None when refused (closing, unsafe, or
+    /// `max_pending` jobs in flight). Bad arguments raise `InvalidInput`.
+    #[pyo3(signature = (manifest, rank, direction, block_ids, producer_event = None))]
+    fn submit(
+        &self,
+        manifest: &PyManifest,
+        rank: i64,
+        direction: &str,
+        block_ids: &Bound<'_, PyAny>,
+        producer_event: Option<u64>,
+    ) -> PyResult<Option<PyTransferFuture>> {
+        let direction = Direction::parse(direction).py()?;
+        let rank = u32::try_from(rank)
+            .map_err(|_| invalid(format!("rank must be a non-negative integer, got {rank}")))?;
+        let mut groups = Vec::new();
+        for group in block_ids.try_iter()? {
+            let mut ids = Vec::new();
+            for id in group?.try_iter()? {
+                let id: i64 = id?.extract().map_err(|_| {
+                    invalid("block_ids must be a sequence of sequences of integers")
+                })?;
+                ids.push(
+                    u64::try_from(id).map_err(|_| invalid(format!("block id {id} is negative")))?,
+                );
+            }
+            groups.push(ids);
+        }
+        let job = Job {
+            manifest: manifest.inner.clone(),
+            rank,
+            direction,
+            block_ids: groups,
+            producer_event,
+        };
+        Ok(self
+            .engine
+            .submit(job)
+            .py()?
+            .map(|handle| PyTransferFuture { handle }))
+    }
+
+    /// "cpu" or "cuda".
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.engine.backend_name()
+    }
+
+    /// Rows of the page pool.
+    #[getter]
+    fn num_blocks(&self) -> u64 {
+        self.shape.num_blocks
+    }
+
+    /// Bytes per row.
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.shape.page_bytes
+    }
+
+    /// Whether a copy may be in flight (admission stopped for good).
+    #[getter]
+    fn is_unsafe(&self) -> bool {
+        self.engine.is_unsafe()
+    }
+
+    /// Why the engine turned unsafe (None while it is safe).
+    #[getter]
+    fn unsafe_reason(&self) -> Option<String> {
+        self.engine.unsafe_reason()
+    }
+
+    /// Jobs admitted and not yet ended.
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.engine.in_flight()
+    }
+
+    /// How many times the sidecar's pool was mapped (1 + remaps after restarts).
+    #[getter]
+    fn mappings(&self) -> u64 {
+        self.engine.stats().mappings
+    }
+
+    /// The capabilities of the mapped pool (None before the first mapping).
+    fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.engine
+            .capabilities()
+            .map(|c| capabilities_dict(py, c))
+            .transpose()
+    }
+
+    /// Waits until no job is in flight (None = forever); False on timeout.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let timeout = timeout_of(timeout)?;
+        Ok(py.detach(|| self.engine.wait_idle(timeout)))
+    }
+
+    /// Stops admission and waits for admitted jobs. Raises `UnsafeCopy` if a
+    /// copy may be in flight (then the page pool stays referenced for good
+    /// and the process must exit) or if they did not drain within `timeout`.
+    #[pyo3(signature = (timeout = None))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = timeout_of(timeout)?;
+        let result = py.detach(|| self.engine.close(timeout));
+        if result.is_err() {
+            if let Some(pool) = &self.pool {
+                // Leak one reference: the page pool must outlive any DMA.
+                std::mem::forget(pool.clone_ref(py));
+            }
+        }
+        result.py()
+    }
+
+    /// Test hook: the next `count` copies fail ("fail", recoverable), report
+    /// a copy still in flight ("unsafe"), or wait `delay` seconds first
+    /// ("delay"). "clear" drops queued faults.
+    #[pyo3(signature = (kind, count = 1, delay = 0.0))]
+    fn _inject_fault(&self, kind: &str, count: usize, delay: f64) -> PyResult<()> {
+        let fault = match kind {
+            "fail" => Fault::Fail,
+            "unsafe" => Fault::InFlight,
+            "delay" if delay.is_finite() && delay >= 0.0 => {
+                Fault::Delay(Duration::from_secs_f64(delay.min(3600.0)))
+            }
+            "clear" => {
+                self.backend.faults().clear();
+                return Ok(());
+            }
+            other => {
+                return Err(invalid(format!(
+                    "unknown fault {other:?} (fail, unsafe, delay, clear)"
+                )));
+            }
+        };
+        self.backend.faults().push(fault, count);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferEngine(backend={}, num_blocks={}, page_bytes={}, in_flight={}, unsafe={})",
+            self.engine.backend_name(),
+            self.shape.num_blocks,
+            self.shape.page_bytes,
+            self.engine.in_flight(),
+            if self.engine.is_unsafe() {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+fn timeout_of(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        Some(t) if !(t.is_finite() && t >= 0.0) => {
+            Err(invalid("timeout must be a non-negative number of seconds"))
+        }
+        Some(t) => Ok(Some(Duration::from_secs_f64(t.min(1e9)))),
+        None => Ok(None),
+    }
+}
+
+/// The result of one submitted transfer.
+#[pyclass(name = "TransferFuture", module = "lmcache_rc._native", frozen)]
+pub struct PyTransferFuture {
+    handle: JobHandle,
+}
+
+#[pymethods]
+impl PyTransferFuture {
+    /// Whether the transfer ended.
+    fn done(&self) -> bool {
+        self.handle.is_done()
+    }
+
+    /// Waits up to `timeout` seconds (None = until done). True = every page
+    /// copied and the lease finished; False = miss, busy past its bound,
+    /// cancelled or a recoverable failure (see `error`). Raises `UnsafeCopy`
+    /// when a copy may still be in flight, `RpcTimeout` if not done in time.
+    #[pyo3(signature = (timeout = None))]
+    fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let deadline = timeout_of(timeout)?.map(|t| Instant::now() + t);
+        loop {
+            let slice = deadline.map_or(Duration::from_millis(100), |d| {
+                d.saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(100))
+            });
+            let handle = &self.handle;
+            if py.detach(|| handle.wait(Some(slice))) {
+                break;
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(to_pyerr(Error::Timeout(format!(
+                    "the transfer did not end within {} s",
+                    timeout.unwrap_or_default()
+                ))));
+            }
+        }
+        match self.handle.with_outcome(|o| match o {
+            Outcome::Unsafe(r) => Err(Error::UnsafeCopy(r.clone())),
+            o => Ok(o.succeeded()),
+        }) {
+            Some(r) => r.py(),
+            None => Err(to_pyerr(Error::Internal(
+                "transfer ended without outcome".into(),
+            ))),
+        }
+    }
+
+    /// "copied", "miss", "failed" or "unsafe"; None while running.
+    #[getter]
+    fn outcome(&self) -> Option<&'static str> {
+        self.handle.with_outcome(Outcome::kind)
+    }
+
+    /// Why the transfer did not copy (None while running or when it copied).
+    #[getter]
+    fn error(&self) -> Option<String> {
+        self.handle.with_outcome(Outcome::reason).flatten()
+    }
+
+    /// The error kind of a failed transfer (e.g. "InvalidInput"), else None.
+    #[getter]
+    fn error_kind(&self) -> Option<&'static str> {
+        self.handle
+            .with_outcome(|o| match o {
+                Outcome::Failed(e) => Some(e.kind().as_str()),
+                Outcome::Unsafe(_) => Some(ErrorKind::UnsafeCopy.as_str()),
+                _ => None,
+            })
+            .flatten()
+    }
+
+    fn __repr__(&self) -> String {
+        match self.handle.with_outcome(Outcome::kind) {
+            Some(kind) => format!("TransferFuture({kind})"),
+            None => "TransferFuture(running)".to_string(),
+        }
+    }
+}
