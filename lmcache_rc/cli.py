@@ -8,6 +8,9 @@ Sub-commands:
 - ``status [--json]``, ``clear [--force] [--all-tiers]``, ``inspect [--json]``:
   talk to a running sidecar over its socket.
 - ``identity``: print the namespace, token roots and generation id of a prompt.
+- ``demo``: run a self-contained multi-turn workload on the simulated engine
+  against an embedded sidecar, restart it, and verify every restore byte for
+  byte (see :mod:`lmcache_rc.demo`).
 
 Exit codes: 0 success, 1 operation failed, 2 bad input, 3 sidecar unreachable,
 4 refused (e.g. a forced clear while leases are live).
@@ -214,6 +217,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import os
+
+    from lmcache_rc.demo import CORRUPT_ENV, DemoOptions, run_demo
+
+    options = DemoOptions(
+        turns=args.turns,
+        requests=args.requests,
+        world_size=args.world_size,
+        rank_mode=args.rank_mode,
+        replicas=args.replicas,
+        keep=args.keep,
+        json=args.json,
+        corrupt=os.environ.get(CORRUPT_ENV, "") not in ("", "0"),
+    )
+    return run_demo(options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lmcache-rc`` (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -257,6 +278,33 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per hash chunk")
     ident.add_argument("--json", action="store_true", help="print one JSON object")
     ident.set_defaults(func=_cmd_identity)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run a verified multi-turn workload on the simulated engine (no GPU needed)",
+    )
+    demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    demo.add_argument(
+        "--requests", type=int, default=3, help="conversations sharing a system prompt (default 3)"
+    )
+    demo.add_argument("--world-size", type=int, default=2, help="ranks per engine (default 2)")
+    demo.add_argument(
+        "--rank-mode",
+        choices=("spawn", "thread"),
+        default="spawn",
+        help="ranks in separate processes (spawn, default) or threads",
+    )
+    demo.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="engine replicas turns alternate between (default 2)",
+    )
+    demo.add_argument("--keep", metavar="DIR", help="keep the directory and L2 files in DIR")
+    demo.add_argument(
+        "--json", action="store_true", help="print one JSON object (progress goes to stderr)"
+    )
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

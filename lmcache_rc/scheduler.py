@@ -1,0 +1,1008 @@
+"""The scheduler side of the vLLM connector: :class:`CheckpointSchedulerBridge`.
+
+What it owns (``spec/storage-and-transfer.md`` §7.4-§7.5, ``spec/vllm-boundary-api.md``
+§2-§3): the checkpoint identity of this engine (namespace per cache salt), layout
+negotiation with every worker rank, directory lookups for waiting requests with
+a timeout and up to ``max_lookup_attempts`` attempts, reservation of private
+destination bundles through vLLM's allocator, pinning and manifest building for
+stores, the copy tasks sent to the workers (each exactly once), all-rank
+completion (publish or discard), cancellation and reused request ids.
+
+What it must never do: block the scheduler on the sidecar (every RPC is an
+``*_async`` future polled once per step), publish or discard an import before
+every rank reported (I1, I2), release a page a worker may still copy (I4), or
+touch a LoRA request (I3). Bytes never pass through here; only manifests and
+block ids do.
+
+The worker side of the protocol (:class:`CheckpointWorkerMetadata`) and the
+scheduler → worker metadata (:class:`CheckpointConnectorMetadata`) are defined
+here as well, because this module is where both are interpreted.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import lmcache_rc as rc
+from lmcache_rc.vllm_api import (
+    CHECKPOINT_KINDS,
+    AuxiliaryGroupName,
+    BoundaryCheckpoint,
+    CheckpointEngineTask,
+    Direction,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+    engine_group_name,
+    is_recurrent_group,
+    supports_admission_api,
+)
+
+__all__ = [
+    "CheckpointConnectorMetadata",
+    "CheckpointSchedulerBridge",
+    "CheckpointWorkerMetadata",
+    "SidecarClient",
+    "SidecarFuture",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+class CheckpointConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler → every worker rank, once per step: the copy tasks admitted in
+    this step. Each task appears in exactly one step's metadata (storage §7.4)."""
+
+    def __init__(self, tasks: Sequence[CheckpointEngineTask] = ()) -> None:
+        self.tasks: tuple[CheckpointEngineTask, ...] = tuple(tasks)
+
+    def __repr__(self) -> str:
+        return f"CheckpointConnectorMetadata(tasks={[t.task_id for t in self.tasks]})"
+
+
+class CheckpointWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker ranks → scheduler: layouts reported once per rank, and one boolean
+    result per (task, rank), folded across ranks with :meth:`aggregate`.
+
+    Rank identity is kept exactly: a rank appearing twice for a layout or for
+    the same task is a protocol error (ValueError), never counted twice.
+    """
+
+    def __init__(
+        self,
+        layouts: Mapping[int, Mapping[str, Any]] | None = None,
+        results: Mapping[str, Mapping[int, bool]] | None = None,
+    ) -> None:
+        self.layouts: dict[int, dict[str, Any]] = {
+            int(r): dict(v) for r, v in (layouts or {}).items()
+        }
+        self.results: dict[str, dict[int, bool]] = {
+            str(t): {int(r): bool(ok) for r, ok in ranks.items()}
+            for t, ranks in (results or {}).items()
+        }
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> CheckpointWorkerMetadata:
+        """A new object holding both ranks' reports (neither input changes).
+
+        Raises ValueError when ``other`` repeats a rank's layout or a rank's
+        result for one task, or is not a :class:`CheckpointWorkerMetadata`.
+        """
+        if not isinstance(other, CheckpointWorkerMetadata):
+            raise ValueError(
+                f"cannot aggregate CheckpointWorkerMetadata with {type(other).__name__}"
+            )
+        merged = CheckpointWorkerMetadata(self.layouts, self.results)
+        for rank, layout in other.layouts.items():
+            if rank in merged.layouts:
+                raise ValueError(f"worker metadata reports the layout of rank {rank} twice")
+            merged.layouts[rank] = dict(layout)
+        for task_id, ranks in other.results.items():
+            into = merged.results.setdefault(task_id, {})
+            for rank, ok in ranks.items():
+                if rank in into:
+                    raise ValueError(
+                        f"worker metadata reports rank {rank} twice for task {task_id}"
+                    )
+                into[rank] = ok
+        return merged
+
+    def __repr__(self) -> str:
+        return f"CheckpointWorkerMetadata(layouts={sorted(self.layouts)}, results={self.results})"
+
+
+# --------------------------------------------------------------------------- sidecar protocol
+
+
+class SidecarFuture(Protocol):
+    """The part of ``rc._native.Future`` the bridge uses."""
+
+    def done(self) -> bool:
+        """Whether the reply (or the failure) is in."""
+        ...
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The reply, or raises the call's error."""
+        ...
+
+
+class SidecarClient(Protocol):
+    """The part of :class:`lmcache_rc.Client` the bridge uses (fakes in tests)."""
+
+    def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
+        """Start a FIND for the longest listed prefix of ``roots``."""
+        ...
+
+    def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
+        """Start a BEGIN (stage a generation)."""
+        ...
+
+    def abort_async(self, generation: str) -> SidecarFuture:
+        """Start an ABORT of a pending generation."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection."""
+        ...
+
+
+# --------------------------------------------------------------------------- state records
+
+_FINDING = "finding"  # a FIND is in flight
+_WAITING = "waiting-capacity"  # a manifest was chosen; the allocator had no room yet
+_RESTORING = "restoring"  # a RETRIEVE task owns a reserved bundle
+_PUBLISHED = "published"  # the import is published for this request; admit
+_RETRY = "retry"  # the import failed; the next poll looks up again
+_DONE = "done"  # nothing (more) to import; admit
+
+
+@dataclass(eq=False)
+class _Lookup:
+    """The restore state of one request (identity by object, so a reused
+    request id never inherits another request's lookup)."""
+
+    request_id: str
+    phase: str
+    attempts: int = 0
+    started: float = 0.0
+    future: SidecarFuture | None = None
+    manifest: rc.Manifest | None = None
+    meta: _Found | None = None
+    task_id: str | None = None
+    checkpoint_id: int | None = None
+    num_tokens: int = 0
+    admission: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A validated FIND answer: what to reserve."""
+
+    num_tokens: int
+    positions: tuple[tuple[int, ...], ...]
+    draft_prefix_len: int
+    kind: str
+
+
+@dataclass(eq=False)
+class _Task:
+    """One copy task from creation to the last rank's result."""
+
+    task_id: str
+    direction: Direction
+    manifest: rc.Manifest
+    block_ids: tuple[tuple[int, ...], ...]
+    request_id: str
+    checkpoint: BoundaryCheckpoint
+    lookup: _Lookup | None = None
+    sent: bool = False
+    sent_at: float | None = None
+    results: dict[int, bool] = field(default_factory=dict)
+
+    def engine_task(self) -> CheckpointEngineTask:
+        return CheckpointEngineTask(
+            task_id=self.task_id,
+            manifest=self.manifest,
+            direction=self.direction,
+            block_ids=self.block_ids,
+        )
+
+
+@dataclass(eq=False)
+class _PendingBegin:
+    """A store whose BEGIN reply has not been seen yet."""
+
+    task: _Task
+    future: SidecarFuture
+    deadline: float
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+# --------------------------------------------------------------------------- the bridge
+
+
+class CheckpointSchedulerBridge:
+    """Decides what to store and restore, and tracks every copy to its end.
+
+    One instance lives in the scheduler process, owned by the connector (role
+    SCHEDULER), created once vLLM hands over its allocator
+    (``bind_boundary_checkpoint_cache``). Every method is called from the
+    scheduler thread; none blocks on the sidecar.
+
+    ``identity`` is the namespace identity without ``layout`` (revisions,
+    config hashes, precision environment, parallel geometry); the negotiated
+    worker layout is added once every rank reported the same one.
+    ``clock`` (monotonic seconds) is injectable so timeouts are testable
+    without sleeping.
+    """
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        manager: Any,
+        *,
+        identity: Mapping[str, Any],
+        world_size: int,
+        chunk_tokens: int = 4096,
+        lookup_timeout: float = 60.0,
+        begin_timeout: float | None = None,
+        max_lookup_attempts: int = 4,
+        max_tasks: int = 64,
+        task_timeout: float | None = None,
+        layout_timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if max_lookup_attempts < 1:
+            raise ValueError("max_lookup_attempts must be at least 1")
+        if manager.boundary_checkpoints is None:
+            raise ValueError("the KV cache manager has no boundary-checkpoint cache")
+        self._client = client
+        self._manager = manager
+        self._cache = manager.boundary_checkpoints
+        self._identity: dict[str, Any] = dict(identity)
+        self._identity.pop("layout", None)
+        self._world_size = world_size
+        self._chunk_tokens = chunk_tokens
+        self._lookup_timeout = lookup_timeout
+        self._begin_timeout = lookup_timeout if begin_timeout is None else begin_timeout
+        self._max_attempts = max_lookup_attempts
+        self._max_tasks = max_tasks
+        self._task_timeout = task_timeout
+        self._clock = clock
+        self._admission = supports_admission_api(manager)
+        groups = list(manager.kv_cache_config.kv_cache_groups)
+        self._recurrent: tuple[bool, ...] = tuple(is_recurrent_group(g) for g in groups)
+        managers = manager.coordinator.single_type_managers
+        self._block_sizes: tuple[int, ...] = tuple(
+            int(managers[g].block_size) for g in range(len(groups))
+        )
+        # layout negotiation (storage §7.4)
+        self._layouts: dict[int, dict[str, Any]] = {}
+        self._layout: dict[str, Any] | None = None
+        self._layout_failed = False
+        self._layout_deadline = None if layout_timeout is None else clock() + layout_timeout
+        self._namespaces: dict[str, str] = {}
+        # requests, tasks
+        self._lookups: dict[str, _Lookup] = {}
+        self._tasks: dict[str, _Task] = {}
+        self._begins: list[_PendingBegin] = []
+        self._cancelled: dict[str, set[str]] = {}
+        self._background: list[SidecarFuture] = []
+        self._counters: Counter[str] = Counter()
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def world_size(self) -> int:
+        """Number of worker ranks every task must hear from."""
+        return self._world_size
+
+    @property
+    def layout(self) -> dict[str, Any] | None:
+        """The negotiated worker layout, or None while negotiation is open."""
+        return None if self._layout is None else dict(self._layout)
+
+    @property
+    def admission_api(self) -> bool:
+        """Whether the allocator offers restore-admission reservations."""
+        return self._admission
+
+    @property
+    def ready(self) -> bool:
+        """Whether lookups and stores can happen (layout negotiated, not closed)."""
+        return self._layout is not None and not self._closed
+
+    # ------------------------------------------------------------------ identity
+
+    def namespace(self, cache_salt: str | None) -> str:
+        """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
+        if self._layout is None:
+            raise RuntimeError("the worker layout is not negotiated yet")
+        salt = cache_salt or ""
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = rc.checkpoint_namespace({**self._identity, "layout": self._layout}, salt)
+            self._namespaces[salt] = ns
+        return ns
+
+    def _roots(self, request: Any, num_tokens: int | None = None) -> rc.TokenRoots:
+        tokens = list(request.all_token_ids)
+        if num_tokens is not None:
+            tokens = tokens[:num_tokens]
+        return rc.TokenRoots.build(
+            self.namespace(request.cache_salt), tokens, chunk_tokens=self._chunk_tokens
+        )
+
+    def handles(self, request: Any) -> bool:
+        """Whether ``request`` may use the external directory at all.
+
+        LoRA requests never do (adapter ids do not authenticate adapter
+        bytes, I3); multimodal requests neither (their placeholder tokens do
+        not name the content here; see ``docs/vllm.md``).
+        """
+        if getattr(request, "lora_request", None) is not None:
+            return False
+        return not getattr(request, "mm_features", None)
+
+    # ------------------------------------------------------------------ restore path
+
+    def poll(self, request: Any) -> bool:
+        """``poll_boundary_checkpoint``: False parks the request for this step.
+
+        True means "go on with the ordinary local lookup": no import is
+        pending (none found, lookup failed or timed out, or the import is
+        published and the local lookup will find it).
+        """
+        rid = request.request_id
+        if self._closed or not self.handles(request):
+            return True
+        if not self._negotiation_settled():
+            return False  # layouts still arriving: a lookup must wait for the namespace
+        if self._layout is None:
+            return True  # negotiation failed: serve without the directory
+        if rid in self._cancelled:
+            return False  # an earlier request with this id still has copies in flight
+        lookup = self._lookups.get(rid)
+        if lookup is None:
+            return self._start_lookup(request)
+        if lookup.phase == _FINDING:
+            return self._advance_find(request, lookup)
+        if lookup.phase == _WAITING:
+            return self._try_reserve(request, lookup)
+        if lookup.phase == _RESTORING:
+            return self._check_restore_timeout(lookup)
+        if lookup.phase == _RETRY:
+            return self._send_find(request, lookup)
+        return True
+
+    def _start_lookup(self, request: Any) -> bool:
+        rid = request.request_id
+        lookup = _Lookup(request_id=rid, phase=_DONE)
+        self._lookups[rid] = lookup
+        enabled = getattr(self._manager, "prefix_cache_lookup_enabled", None)
+        if enabled is not None and not enabled(request):
+            lookup.reason = "prefix-cache-off"
+            return True
+        local = self._local_tokens(request)
+        if local >= request.num_tokens:
+            lookup.reason = "local-hit"
+            self._counters["lookup_local_complete"] += 1
+            return True
+        return self._send_find(request, lookup)
+
+    def _send_find(self, request: Any, lookup: _Lookup) -> bool:
+        if lookup.attempts >= self._max_attempts:
+            return self._finish_lookup(lookup, "attempts-exhausted")
+        lookup.attempts += 1
+        lookup.started = self._clock()
+        lookup.manifest = None
+        lookup.meta = None
+        try:
+            lookup.future = self._client.find_async(self._roots(request).roots)
+        except Exception as e:  # the sidecar is down or the request cannot be keyed
+            logger.warning("checkpoint lookup for %s failed to start: %s", lookup.request_id, e)
+            return self._finish_lookup(lookup, "find-error")
+        lookup.phase = _FINDING
+        self._counters["lookups"] += 1
+        return False
+
+    def _advance_find(self, request: Any, lookup: _Lookup) -> bool:
+        future = lookup.future
+        assert future is not None
+        if not future.done():
+            if self._clock() - lookup.started >= self._lookup_timeout:
+                logger.warning(
+                    "no checkpoint lookup reply for %s within %.1f s; recomputing",
+                    lookup.request_id,
+                    self._lookup_timeout,
+                )
+                lookup.future = None
+                return self._finish_lookup(lookup, "find-timeout")
+            return False
+        lookup.future = None
+        try:
+            found = future.result(0)
+        except Exception as e:
+            logger.warning("checkpoint lookup for %s failed: %s", lookup.request_id, e)
+            return self._finish_lookup(lookup, "find-error")
+        if found is None:
+            return self._finish_lookup(lookup, "miss")
+        meta = self._validate_found(request, found)
+        if meta is None:
+            return self._finish_lookup(lookup, "incompatible")
+        if self._local_tokens(request) >= meta.num_tokens:
+            return self._finish_lookup(lookup, "local-at-least-as-long")
+        lookup.manifest = found
+        lookup.meta = meta
+        lookup.phase = _WAITING
+        return self._try_reserve(request, lookup)
+
+    def _local_tokens(self, request: Any) -> int:
+        try:
+            local = self._cache.find(request, request.num_tokens)
+        except Exception:  # a cache that refuses the request: no local hit
+            return 0
+        return 0 if local is None else int(local.num_tokens)
+
+    def _validate_found(self, request: Any, manifest: rc.Manifest) -> _Found | None:
+        """Checks a FIND answer against this engine (identity-and-index §1.12)."""
+        rid = request.request_id
+        try:
+            n = manifest.prefix.num_tokens
+            if manifest.world_size != self._world_size:
+                raise ValueError(f"world size {manifest.world_size} != {self._world_size}")
+            if not 0 < n <= request.num_tokens:
+                raise ValueError(f"{n} tokens do not fit a {request.num_tokens}-token request")
+            if manifest.prefix != self._roots(request).prefix(n):
+                raise ValueError("prefix is not this request's exact token prefix")
+            payload = json.loads(manifest.payload)
+            if payload.get("schema_version") != 2:
+                raise ValueError("payload schema is not 2")
+            if payload.get("worker_layout") != self._layout:
+                raise ValueError("worker layout differs")
+            assert self._layout is not None
+            page_bytes = self._layout["page_bytes"]
+            groups = payload["page_groups"]
+            positions = tuple(
+                tuple(int(p) for p in g)
+                for g in self._manager.boundary_checkpoint_page_positions(n)
+            )
+            names = [engine_group_name(i) for i in range(len(positions))] + [AuxiliaryGroupName]
+            if [g.get("name") for g in groups] != names:
+                raise ValueError("page groups differ from this engine's KV groups")
+            for g, group in enumerate(groups):
+                if group.get("page_bytes") != page_bytes:
+                    raise ValueError(f"page group {g} has a different page size")
+                want = list(positions[g]) if g < len(positions) else [0]
+                if group.get("positions") != want:
+                    raise ValueError(f"page group {g} covers other positions")
+            draft = payload["draft_prefix_len"]
+            kind = payload["kind"]
+            if not isinstance(draft, int) or isinstance(draft, bool) or not 0 <= draft <= n:
+                raise ValueError("bad draft_prefix_len")
+            if kind not in CHECKPOINT_KINDS:
+                raise ValueError(f"unknown kind {kind!r}")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("checkpoint for %s not usable here: %s", rid, e)
+            return None
+        return _Found(num_tokens=n, positions=positions, draft_prefix_len=draft, kind=kind)
+
+    def _try_reserve(self, request: Any, lookup: _Lookup) -> bool:
+        meta, manifest = lookup.meta, lookup.manifest
+        assert meta is not None and manifest is not None
+        if self._task_count() >= self._max_tasks:
+            return self._finish_lookup(lookup, "task-capacity")
+        kwargs: dict[str, Any] = {
+            "draft_prefix_len": meta.draft_prefix_len,
+            "kind": meta.kind,
+            "num_ranks": self._world_size,
+        }
+        if self._admission:
+            kwargs["reserve_admission"] = True
+        try:
+            ckpt = self._manager.reserve_external_boundary_checkpoint(
+                request, meta.num_tokens, meta.positions, **kwargs
+            )
+        except ValueError as e:
+            logger.warning("checkpoint reservation for %s refused: %s", lookup.request_id, e)
+            return self._finish_lookup(lookup, "reserve-refused")
+        if ckpt is None:
+            if self._admission:
+                lookup.admission = True  # a capacity waiter holds an admission record
+                expired = getattr(self._manager, "external_boundary_wait_expired", None)
+                if expired is not None and expired(lookup.request_id):
+                    return self._finish_lookup(lookup, "capacity-timeout")
+                self._counters["capacity_waits"] += 1
+                return False
+            return self._finish_lookup(lookup, "capacity")
+        lookup.admission = self._admission
+        try:
+            block_ids = self._task_block_ids(ckpt, meta.positions)
+        except ValueError as e:  # the allocator answered a bundle we cannot name
+            logger.error("reserved bundle for %s is malformed: %s", lookup.request_id, e)
+            self._manager.discard_external_boundary_checkpoint(ckpt.checkpoint_id)
+            return self._finish_lookup(lookup, "reserve-malformed")
+        task = _Task(
+            task_id=uuid.uuid4().hex,
+            direction="RETRIEVE",
+            manifest=manifest,
+            block_ids=block_ids,
+            request_id=lookup.request_id,
+            checkpoint=ckpt,
+            lookup=lookup,
+        )
+        self._tasks[task.task_id] = task
+        lookup.phase = _RESTORING
+        lookup.task_id = task.task_id
+        lookup.checkpoint_id = ckpt.checkpoint_id
+        lookup.num_tokens = meta.num_tokens
+        self._counters["restores_started"] += 1
+        return False
+
+    def _check_restore_timeout(self, lookup: _Lookup) -> bool:
+        if self._task_timeout is None or lookup.task_id is None:
+            return False
+        task = self._tasks.get(lookup.task_id)
+        if task is None or task.sent_at is None:
+            return False
+        if self._clock() - task.sent_at < self._task_timeout:
+            return False
+        logger.warning(
+            "restore for %s has not completed on every rank within %.1f s; recomputing "
+            "(its pages stay reserved until every rank reports)",
+            lookup.request_id,
+            self._task_timeout,
+        )
+        lookup.task_id = None
+        return self._finish_lookup(lookup, "task-timeout")
+
+    def _finish_lookup(self, lookup: _Lookup, reason: str) -> bool:
+        """Ends a lookup without an import: the request is admitted to recompute."""
+        lookup.phase = _DONE
+        lookup.reason = reason
+        lookup.future = None
+        self._counters[f"lookup_{reason}"] += 1
+        self._release_admission(lookup)
+        return True
+
+    def _release_admission(self, lookup: _Lookup) -> None:
+        if lookup.admission:
+            lookup.admission = False
+            release = getattr(self._manager, "release_external_boundary_admission", None)
+            if release is not None:
+                release(lookup.request_id)
+
+    def external_tokens(self, request: Any) -> int:
+        """``boundary_checkpoint_external_tokens``: tokens of the local hit that
+        came from an import published for this very request, else 0."""
+        lookup = self._lookups.get(request.request_id)
+        ckpt = getattr(request, "boundary_checkpoint", None)
+        if lookup is None or ckpt is None or lookup.phase != _PUBLISHED:
+            return 0
+        if ckpt.checkpoint_id != lookup.checkpoint_id:
+            return 0
+        return int(ckpt.num_tokens)
+
+    def on_allocated(self, request: Any) -> None:
+        """``update_state_after_alloc``: a published import was admitted; the
+        lookup is over (a preempted request is not looked up again)."""
+        lookup = self._lookups.get(request.request_id)
+        if lookup is not None and lookup.phase == _PUBLISHED:
+            lookup.phase = _DONE
+            lookup.reason = "admitted"
+            lookup.admission = False  # ownership passed to the running request
+
+    # ------------------------------------------------------------------ store path
+
+    def store(self, request: Any, checkpoint: BoundaryCheckpoint) -> bool:
+        """``store_boundary_checkpoint``: export a published local checkpoint.
+
+        Pins it, builds the schema-2 manifest and sends BEGIN. Returns whether
+        a store was started; it may skip silently (not handled, no layout,
+        task capacity, no longer published).
+        """
+        if self._closed or not self.handles(request) or self._layout is None:
+            self._counters["store_skipped"] += 1
+            return False
+        if self._task_count() >= self._max_tasks:
+            self._counters["store_skipped_capacity"] += 1
+            return False
+        pinned = self._cache.acquire(checkpoint.checkpoint_id)
+        if pinned is None:
+            self._counters["store_skipped_unpublished"] += 1
+            return False
+        try:
+            manifest, block_ids = self._build_store(request, pinned)
+            future = self._client.begin_async(manifest)
+        except Exception as e:
+            logger.warning("checkpoint store for %s not started: %s", request.request_id, e)
+            self._cache.release(pinned)
+            self._counters["store_build_failed"] += 1
+            return False
+        task = _Task(
+            task_id=uuid.uuid4().hex,
+            direction="STORE",
+            manifest=manifest,
+            block_ids=block_ids,
+            request_id=request.request_id,
+            checkpoint=pinned,
+        )
+        self._begins.append(_PendingBegin(task, future, self._clock() + self._begin_timeout))
+        self._counters["stores_begun"] += 1
+        return True
+
+    def _build_store(
+        self, request: Any, ckpt: BoundaryCheckpoint
+    ) -> tuple[rc.Manifest, tuple[tuple[int, ...], ...]]:
+        n = int(ckpt.num_tokens)
+        if ckpt.kind not in CHECKPOINT_KINDS:
+            raise ValueError(f"unknown checkpoint kind {ckpt.kind!r}")
+        positions = tuple(
+            tuple(int(p) for p in g) for g in self._manager.boundary_checkpoint_page_positions(n)
+        )
+        if len(positions) != len(self._block_sizes):
+            raise ValueError("page positions do not match the KV groups")
+        block_ids = self._task_block_ids(ckpt, positions)
+        roots = self._roots(request, n)
+        boundaries: list[tuple[int, str]] = []
+        for g, pos in enumerate(positions):
+            if self._recurrent[g]:
+                boundaries.extend((n, f"recurrent:{g}") for _ in pos)
+            else:
+                size = self._block_sizes[g]
+                boundaries.extend((min((p + 1) * size, n), f"attention:{g}") for p in pos)
+        boundaries.append((n, f"auxiliary:{ckpt.draft_prefix_len}:{ckpt.kind}"))
+        keys = roots.content_keys(boundaries)
+        assert self._layout is not None
+        page_bytes = self._layout["page_bytes"]
+        groups: list[dict[str, Any]] = []
+        at = 0
+        for g, pos in enumerate(positions):
+            groups.append(
+                {
+                    "name": engine_group_name(g),
+                    "page_bytes": page_bytes,
+                    "positions": list(pos),
+                    "content_keys": keys[at : at + len(pos)],
+                }
+            )
+            at += len(pos)
+        groups.append(
+            {
+                "name": AuxiliaryGroupName,
+                "page_bytes": page_bytes,
+                "positions": [0],
+                "content_keys": keys[at:],
+            }
+        )
+        payload = _canonical(
+            {
+                "schema_version": 2,
+                "worker_layout": self._layout,
+                "page_groups": groups,
+                "draft_prefix_len": int(ckpt.draft_prefix_len),
+                "kind": ckpt.kind,
+            }
+        )
+        prefix = roots.prefix(n)
+        generation = rc.checkpoint_generation(prefix, payload)
+        return rc.Manifest(generation, prefix, self._world_size, payload), block_ids
+
+    @staticmethod
+    def _task_block_ids(
+        ckpt: BoundaryCheckpoint, positions: tuple[tuple[int, ...], ...]
+    ) -> tuple[tuple[int, ...], ...]:
+        """Physical ids per manifest group in position order, auxiliary last."""
+        if len(ckpt.block_ids) != len(positions):
+            raise ValueError("the bundle has a different number of KV groups")
+        out: list[tuple[int, ...]] = []
+        for g, pos in enumerate(positions):
+            row = ckpt.block_ids[g]
+            ids = tuple(int(row[p]) if p < len(row) else 0 for p in pos)
+            live = tuple(int(b) for b in row if b)
+            if any(b == 0 for b in ids) or ids != live:
+                raise ValueError(f"group {g} pages do not match positions {list(pos)}")
+            out.append(ids)
+        aux = tuple(int(b) for b in ckpt.auxiliary_block_ids)
+        if len(aux) != 1 or aux[0] == 0:
+            raise ValueError("a bundle needs exactly one auxiliary page")
+        out.append(aux)
+        return tuple(out)
+
+    def _pump_begins(self) -> None:
+        """Turns answered BEGINs into tasks; aborts failed or unanswered ones."""
+        now = self._clock()
+        still: list[_PendingBegin] = []
+        for pb in self._begins:
+            task = pb.task
+            if not pb.future.done():
+                if now < pb.deadline:
+                    still.append(pb)
+                    continue
+                logger.warning(
+                    "no BEGIN reply for checkpoint %s within %.1f s; aborting the store",
+                    task.manifest.generation,
+                    self._begin_timeout,
+                )
+                self._abort(task.manifest.generation)
+                self._drop_store(task, "store_begin_timeout")
+                continue
+            try:
+                accepted = bool(pb.future.result(0))
+            except Exception as e:
+                logger.warning("BEGIN of %s failed: %s", task.manifest.generation, e)
+                self._abort(task.manifest.generation)
+                self._drop_store(task, "store_begin_failed")
+                continue
+            if not accepted:  # identical generation pending/listed, or no room: nothing to do
+                self._drop_store(task, "store_suppressed")
+                continue
+            self._tasks[task.task_id] = task
+        self._begins = still
+
+    def _drop_store(self, task: _Task, counter: str) -> None:
+        self._cache.release(task.checkpoint)
+        self._counters[counter] += 1
+        self._task_resolved(task)
+
+    def _abort(self, generation: str) -> None:
+        try:
+            self._background.append(self._client.abort_async(generation))
+        except Exception as e:  # the server cleans up abandoned pending generations itself
+            logger.warning("ABORT of %s could not be sent: %s", generation, e)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_meta(self, scheduler_output: Any = None) -> CheckpointConnectorMetadata:
+        """``build_connector_meta``: the tasks admitted since the last call, each once."""
+        self._negotiation_settled()
+        self._pump_begins()
+        self._background = [f for f in self._background if not f.done()]
+        now = self._clock()
+        out: list[CheckpointEngineTask] = []
+        for task in self._tasks.values():
+            if not task.sent:
+                task.sent = True
+                task.sent_at = now
+                out.append(task.engine_task())
+        self._counters["tasks_sent"] += len(out)
+        return CheckpointConnectorMetadata(out)
+
+    def update(self, connector_output: Any) -> None:
+        """``update_connector_output``: take layouts and rank results.
+
+        Raises ValueError on a protocol violation (different layouts, a rank
+        outside ``0..world_size-1``, a rank reporting one task twice, an
+        unknown task id): those are bugs or misconfiguration, not misses.
+        """
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is None:
+            return
+        if not isinstance(meta, CheckpointWorkerMetadata):
+            raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
+        for rank, layout in sorted(meta.layouts.items()):
+            self._take_layout(rank, layout)
+        for task_id, ranks in meta.results.items():
+            task = self._tasks.get(task_id)
+            if task is None:
+                raise ValueError(f"worker result for unknown checkpoint task {task_id}")
+            for rank, ok in ranks.items():
+                self._check_rank(rank)
+                if rank in task.results:
+                    raise ValueError(f"rank {rank} reported checkpoint task {task_id} twice")
+                task.results[rank] = ok
+            if len(task.results) == self._world_size:
+                self._complete(task)
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"worker rank must be an integer, got {rank!r}")
+        if not 0 <= rank < self._world_size:
+            raise ValueError(f"worker rank {rank} is outside 0..{self._world_size - 1}")
+
+    def _take_layout(self, rank: int, layout: Mapping[str, Any]) -> None:
+        self._check_rank(rank)
+        page_bytes = layout.get("page_bytes")
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError(f"rank {rank} reported a layout without a valid page_bytes")
+        try:  # the JSON form, as manifests carry it (tuples become lists)
+            plain: dict[str, Any] = json.loads(_canonical(layout))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"rank {rank} reported a layout that is not plain JSON: {e}") from e
+        known = self._layouts.get(rank)
+        if known is not None and known != plain:
+            raise ValueError(f"rank {rank} reported a different worker layout")
+        for other, theirs in self._layouts.items():
+            if theirs != plain:
+                raise ValueError(
+                    f"worker layouts differ between rank {other} and rank {rank}: every rank "
+                    "must expose the same checkpoint page layout"
+                )
+        self._layouts[rank] = plain
+        if self._layout is None and len(self._layouts) == self._world_size:
+            self._layout = plain
+            self._namespaces.clear()
+            logger.info(
+                "checkpoint worker layout negotiated with %d ranks (page_bytes=%d)",
+                self._world_size,
+                page_bytes,
+            )
+
+    def _negotiation_settled(self) -> bool:
+        """False while layouts may still arrive; True once negotiated or given up."""
+        if self._layout is not None or self._layout_failed:
+            return True
+        if self._layout_deadline is not None and self._clock() >= self._layout_deadline:
+            self._layout_failed = True
+            missing = sorted(set(range(self._world_size)) - set(self._layouts))
+            logger.error(
+                "checkpoint worker layout not reported by ranks %s in time; serving without "
+                "external checkpoints",
+                missing,
+            )
+            return True
+        return False
+
+    def _complete(self, task: _Task) -> None:
+        """Every rank reported ``task``: publish, discard or release, exactly once."""
+        del self._tasks[task.task_id]
+        ok = all(task.results.values())
+        if task.direction == "STORE":
+            if ok:
+                self._counters["stores_committed"] += 1
+            else:
+                self._counters["stores_failed"] += 1
+                self._abort(task.manifest.generation)
+            self._cache.release(task.checkpoint)
+        else:
+            self._complete_restore(task, ok)
+        self._task_resolved(task)
+
+    def _complete_restore(self, task: _Task, ok: bool) -> None:
+        lookup = task.lookup
+        cid = task.checkpoint.checkpoint_id
+        current = (
+            lookup is not None
+            and self._lookups.get(task.request_id) is lookup
+            and lookup.phase == _RESTORING
+            and lookup.task_id == task.task_id
+        )
+        if not current or lookup is None:
+            self._manager.discard_external_boundary_checkpoint(cid)
+            self._counters["restores_discarded"] += 1
+            return
+        if ok:
+            published = False
+            for rank in range(self._world_size):
+                published = bool(self._manager.acknowledge_external_boundary_checkpoint(cid, rank))
+            if published:
+                lookup.phase = _PUBLISHED
+                lookup.task_id = None
+                self._counters["restores_published"] += 1
+                return
+            logger.info(
+                "restore for %s was invalidated before publication; looking up again",
+                task.request_id,
+            )
+            self._counters["restores_invalidated"] += 1
+        else:
+            self._manager.discard_external_boundary_checkpoint(cid)
+            self._counters["restores_failed"] += 1
+        lookup.task_id = None
+        lookup.checkpoint_id = None
+        self._release_admission(lookup)
+        # The next poll looks up again: the sidecar retired a generation it
+        # could not serve, so the next FIND may answer a shorter checkpoint.
+        lookup.phase = _RETRY
+
+    # ------------------------------------------------------------------ cancellation
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished(_all_groups)``: forget the lookup, keep copies.
+
+        Pages referenced by an admitted copy stay pinned until every rank
+        reported; the request id is remembered as cancelled until then, so
+        a new request reusing the id waits for a clean start.
+        """
+        rid = request.request_id
+        lookup = self._lookups.pop(rid, None)
+        if lookup is not None:
+            self._release_admission(lookup)
+            lookup.phase = _DONE
+            lookup.future = None
+        outstanding = {t.task_id for t in self._tasks.values() if t.request_id == rid}
+        outstanding |= {pb.task.task_id for pb in self._begins if pb.task.request_id == rid}
+        if outstanding:
+            self._cancelled.setdefault(rid, set()).update(outstanding)
+        return False, None
+
+    def _task_resolved(self, task: _Task) -> None:
+        waiting = self._cancelled.get(task.request_id)
+        if waiting is None:
+            return
+        waiting.discard(task.task_id)
+        if not waiting:
+            del self._cancelled[task.request_id]
+            release = getattr(self._manager, "release_external_boundary_admission", None)
+            if self._admission and release is not None:
+                release(task.request_id)  # harmless: a reused id cannot have reserved yet
+
+    # ------------------------------------------------------------------ status
+
+    def _task_count(self) -> int:
+        return len(self._tasks) + len(self._begins)
+
+    def has_pending_work(self) -> bool:
+        """``has_pending_push_work``: True while the engine must keep stepping."""
+        if self._closed:
+            return False
+        if not self._negotiation_settled():
+            return True
+        return bool(self._tasks or self._begins)
+
+    def report_status(self) -> dict[str, Any]:
+        """A snapshot for humans and tests: layout, requests, tasks, counters."""
+        phases = Counter(lookup.phase for lookup in self._lookups.values())
+        directions = Counter(t.direction for t in self._tasks.values())
+        return {
+            "world_size": self._world_size,
+            "layout_negotiated": self._layout is not None,
+            "layout_failed": self._layout_failed,
+            "layout_ranks": sorted(self._layouts),
+            "admission_api": self._admission,
+            "lookups": dict(phases),
+            "tasks": {
+                "STORE": directions.get("STORE", 0),
+                "RETRIEVE": directions.get("RETRIEVE", 0),
+                "unsent": sum(1 for t in self._tasks.values() if not t.sent),
+            },
+            "pending_begins": len(self._begins),
+            "cancelled_request_ids": sorted(self._cancelled),
+            "counters": dict(sorted(self._counters.items())),
+        }
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for key, value in self.report_status().items():
+            text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+            rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
+        return "<table><caption>CheckpointSchedulerBridge</caption>" + "".join(rows) + "</table>"
+
+    def close(self) -> None:
+        """Stop lookups and stores. Pending BEGINs are aborted and their pins
+        released; tasks already sent keep their pins (workers may copy)."""
+        if self._closed:
+            return
+        self._closed = True
+        for pb in self._begins:
+            self._abort(pb.task.manifest.generation)
+            self._cache.release(pb.task.checkpoint)
+        self._begins = []
+        for lookup in self._lookups.values():
+            self._release_admission(lookup)
+        for task in list(self._tasks.values()):
+            if not task.sent:
+                del self._tasks[task.task_id]
+                if task.direction == "STORE":
+                    self._abort(task.manifest.generation)
+                    self._cache.release(task.checkpoint)
+                else:
+                    self._manager.discard_external_boundary_checkpoint(
+                        task.checkpoint.checkpoint_id
+                    )

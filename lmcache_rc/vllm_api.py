@@ -1,0 +1,692 @@
+"""The vLLM boundary-checkpoint API as seen by lmcache-rc — the only module that knows vLLM names.
+
+What it owns: structural ``typing.Protocol`` descriptions of every vLLM object the
+connector touches (``spec/vllm-boundary-api.md`` §1-§2), a few small concrete
+types both sides share (:class:`CheckpointEngineTask`), stand-ins for the vLLM
+base classes and enums used when vLLM is not importable (CPU tests, the
+simulated engine in :mod:`lmcache_rc.testing`), and helpers that detect optional
+allocator generations exactly as the reference connector does.
+
+Why: the connector (``lmcache_rc.connector``) and the simulated engine are written
+against these protocols, so a vLLM rename is fixed here once, and the simulator
+can prove it plays the same contract without importing vLLM. Attribute and
+parameter names below are vLLM's own and must not be "improved".
+
+What it must never do: import torch or vLLM unconditionally, or hold state.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from lmcache_rc._native import Manifest
+
+__all__ = [
+    "ADMISSION_METHODS",
+    "CHECKPOINT_KINDS",
+    "AuxiliaryGroupName",
+    "BlockPool",
+    "BoundaryCheckpoint",
+    "BoundaryCheckpointCache",
+    "BoundaryCheckpointState",
+    "CheckpointEngineTask",
+    "CheckpointKind",
+    "Direction",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "KVConnectorWorkerMetadata",
+    "KVTransferConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "Request",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SingleTypeManager",
+    "SpeculativeConfig",
+    "SupportsHMA",
+    "VllmConfig",
+    "engine_group_name",
+    "is_recurrent_group",
+    "supports_admission_api",
+    "worker_rank",
+]
+
+CheckpointKind = Literal["instruction", "prompt", "response", "prefill_tail"]
+"""Kinds of :class:`BoundaryCheckpoint` (``prefill_tail`` only in the 4-slot version)."""
+
+CHECKPOINT_KINDS: tuple[str, ...] = ("instruction", "prompt", "response", "prefill_tail")
+"""All kinds the allocator may accept, in the order the reference defines them."""
+
+Direction = Literal["STORE", "RETRIEVE"]
+"""Direction of a :class:`CheckpointEngineTask` (GPU→SHM is STORE)."""
+
+AuxiliaryGroupName = "target-draft-auxiliary"
+"""Manifest page-group name of the auxiliary page (always last, positions ``[0]``)."""
+
+
+def engine_group_name(group_index: int) -> str:
+    """Manifest page-group name of vLLM KV-cache group ``group_index`` (storage spec §1.3)."""
+    return f"engine-kv-group:{group_index}"
+
+
+# --------------------------------------------------------------------------- roles and bases
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        SupportsHMA,
+    )
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]
+            KVConnectorWorkerMetadata,
+        )
+    except ImportError:
+
+        class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]
+            """Stand-in: worker → scheduler metadata folded across ranks with ``aggregate``."""
+
+            @abstractmethod
+            def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+                """Fold ``other`` (a later rank) into this object and return the result."""
+
+    VLLM_AVAILABLE = True
+except ImportError:
+    VLLM_AVAILABLE = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Stand-in for ``vllm...base.KVConnectorRole``: which process a connector serves."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata(ABC):  # type: ignore[no-redef]  # noqa: B024
+        """Stand-in: scheduler → worker metadata (an empty ABC in vLLM; pickled to every rank)."""
+
+    class KVConnectorWorkerMetadata(ABC):  # type: ignore[no-redef]
+        """Stand-in: worker → scheduler metadata folded across ranks with ``aggregate``."""
+
+        @abstractmethod
+        def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+            """Fold ``other`` (a later rank) into this object and return the result."""
+
+    class KVConnectorBase_V1(ABC):  # type: ignore[no-redef]
+        """Stand-in for vLLM's connector base (§1.1): stores config and role.
+
+        Only the constructor contract and the defaults the spec names are
+        reproduced; a connector overrides what it uses.
+        """
+
+        def __init__(
+            self,
+            vllm_config: Any,
+            role: KVConnectorRole,
+            kv_cache_config: Any | None = None,
+        ) -> None:
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for a KV connector")
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+            self._connector_metadata: KVConnectorMetadata | None = None
+
+        @property
+        def role(self) -> KVConnectorRole:
+            """Which process this instance serves."""
+            return self._role
+
+        # worker side -----------------------------------------------------------------
+        def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+            """Bind this step's scheduler metadata (before the forward)."""
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            """Drop this step's metadata (after the forward)."""
+            self._connector_metadata = None
+
+        def has_connector_metadata(self) -> bool:
+            """Whether metadata is bound for this step."""
+            return self._connector_metadata is not None
+
+        def _get_connector_metadata(self) -> KVConnectorMetadata:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # noqa: B027
+            """Receive the KV tensors (no-op by default)."""
+
+        def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:  # noqa: B027
+            """React to preemptions before binding (no-op by default)."""
+
+        def get_finished(
+            self, finished_req_ids: set[str]
+        ) -> tuple[set[str] | None, set[str] | None]:
+            """Requests whose async send/receive finished (none by default)."""
+            return None, None
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            """Blocks whose load failed (none by default)."""
+            return set()
+
+        def get_kv_connector_stats(self) -> Any | None:
+            """Transfer statistics (none by default)."""
+            return None
+
+        def get_kv_connector_kv_cache_events(self) -> Any | None:
+            """KV cache events (none by default)."""
+            return None
+
+        def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+            """Worker → scheduler metadata of this step (none by default)."""
+            return None
+
+        def get_handshake_metadata(self) -> Any | None:
+            """Startup handshake data (none by default)."""
+            return None
+
+        def shutdown(self) -> None:  # noqa: B027
+            """Release resources at process exit (no-op by default)."""
+
+        # scheduler side -------------------------------------------------------------
+        def bind_gpu_block_pool(self, block_pool: Any) -> None:  # noqa: B027
+            """Receive the scheduler's block pool (no-op by default)."""
+
+        def on_new_request(self, request: Any) -> None:  # noqa: B027
+            """A request was added (no-op by default)."""
+
+        def update_connector_output(self, connector_output: Any) -> None:  # noqa: B027
+            """Aggregated worker output of a step (no-op by default)."""
+
+        def request_finished(
+            self, request: Any, block_ids: list[int]
+        ) -> tuple[bool, dict[str, Any] | None]:
+            """A request finished (single-group connectors)."""
+            return False, None
+
+        def take_events(self) -> Iterable[Any]:
+            """KV events produced since the last call."""
+            return ()
+
+        def reset_cache(self) -> bool | None:
+            """Reset external caches (not supported by default)."""
+            return None
+
+        def get_finished_count(self) -> int | None:
+            """Expected finished count per request (None = world size)."""
+            return None
+
+        def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:  # noqa: B027
+            """Receive merged worker handshake metadata (no-op by default)."""
+
+        # fork deltas [F] --------------------------------------------------------------
+        def poll_boundary_checkpoint(self, request: Any) -> bool:
+            """Whether the request may proceed to local lookup this step (default True)."""
+            return True
+
+        def has_pending_push_work(self) -> bool:
+            """Whether connector-only steps must continue (default False)."""
+            return False
+
+        @classmethod
+        def supports_request_boundary_checkpoints(cls, vllm_config: Any) -> bool:
+            """Whether this connector can import/export boundary bundles (base: False)."""
+            return False
+
+        # abstract in vLLM -------------------------------------------------------------
+        @abstractmethod
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            """Submit this step's loads (every worker step)."""
+
+        @abstractmethod
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            """Block until ``layer_name`` is loaded."""
+
+        @abstractmethod
+        def save_kv_layer(
+            self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+        ) -> None:
+            """Start saving one layer."""
+
+        @abstractmethod
+        def wait_for_save(self) -> None:
+            """Block until this step's saves are done."""
+
+        @abstractmethod
+        def get_num_new_matched_tokens(
+            self, request: Any, num_computed_tokens: int
+        ) -> tuple[int | None, bool]:
+            """External tokens beyond the local hit (None = ask again later)."""
+
+        @abstractmethod
+        def update_state_after_alloc(
+            self, request: Any, blocks: Any, num_external_tokens: int
+        ) -> None:
+            """Called after ``allocate_slots`` for a request."""
+
+        @abstractmethod
+        def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+            """Scheduler → worker metadata of this step (every ``schedule()``)."""
+
+    class SupportsHMA(ABC):  # type: ignore[no-redef]
+        """Stand-in for vLLM's hybrid-memory-allocator mix-in (§1.3)."""
+
+        @abstractmethod
+        def request_finished_all_groups(
+            self, request: Any, block_ids: tuple[list[int], ...]
+        ) -> tuple[bool, dict[str, Any] | None]:
+            """Called once per finished request for all KV groups, before blocks are freed."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@runtime_checkable
+class KVTransferConfig(Protocol):
+    """``vllm.config.KVTransferConfig`` fields the connector reads (§1.1)."""
+
+    kv_connector: str | None
+    kv_connector_module_path: str | None
+    kv_role: str | None
+    kv_connector_extra_config: dict[str, Any]
+    engine_id: str | None
+    kv_load_failure_policy: str
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        """Value of ``kv_connector_extra_config[key]`` or ``default``."""
+        ...
+
+
+class ParallelConfig(Protocol):
+    """``vllm.config.ParallelConfig`` subset (geometry enters the checkpoint identity)."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    decode_context_parallel_size: int
+    cp_kv_cache_interleave_size: int
+    world_size: int
+    rank: int
+
+
+class SpeculativeConfig(Protocol):
+    """``vllm.config.SpeculativeConfig`` subset: ``method`` ("mtp", "dflash", ...)."""
+
+    method: str | None
+    num_speculative_tokens: int | None
+
+
+class ModelConfig(Protocol):
+    """``vllm.config.ModelConfig`` subset used for identity and geometry."""
+
+    max_model_len: int
+    dtype: Any
+
+    def compute_hash(self) -> str:
+        """Hash of every graph-affecting model setting."""
+        ...
+
+    def get_hidden_size(self) -> int:
+        """Model hidden size."""
+        ...
+
+
+class SchedulerConfig(Protocol):
+    """``vllm.config.SchedulerConfig`` subset."""
+
+    disable_hybrid_kv_cache_manager: bool
+
+
+class VllmConfig(Protocol):
+    """``vllm.config.VllmConfig`` subset (§1.1, §2.1, §4 checklist)."""
+
+    kv_transfer_config: KVTransferConfig | None
+    parallel_config: ParallelConfig
+    speculative_config: SpeculativeConfig | None
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+
+    def compute_hash(self) -> str:
+        """Hash of the whole configuration."""
+        ...
+
+    @property
+    def use_request_boundary_checkpoints(self) -> bool:
+        """Whether boundary checkpoints are on (consults the connector class, §2.1)."""
+        ...
+
+
+def worker_rank(vllm_config: Any) -> int:
+    """The rank of the calling worker process in ``[0, parallel_config.world_size)``.
+
+    vLLM sets ``parallel_config.rank`` in each worker before the connector is
+    built; the simulated engine does the same per rank.
+    """
+    return int(getattr(vllm_config.parallel_config, "rank", 0))
+
+
+# --------------------------------------------------------------------------- scheduler side
+
+
+class Request(Protocol):
+    """``vllm.v1.request.Request`` fields the connector reads (§2.3)."""
+
+    request_id: str
+    lora_request: Any | None
+    cache_salt: str | None
+    mm_features: Any
+    num_computed_tokens: int
+    boundary_checkpoint: BoundaryCheckpoint | None
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt plus generated tokens."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(all_token_ids)``."""
+        ...
+
+
+class BoundaryCheckpoint(Protocol):
+    """``vllm.v1.core.boundary_checkpoint.BoundaryCheckpoint`` (frozen dataclass, §2.4)."""
+
+    @property
+    def checkpoint_id(self) -> int:
+        """Allocator-local id, increasing from 1."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Exact committed prefix length."""
+        ...
+
+    @property
+    def block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Per KV group, indexed by logical page position; 0 where not part of the bundle."""
+        ...
+
+    @property
+    def auxiliary_block_ids(self) -> tuple[int, ...]:
+        """Exactly one auxiliary page."""
+        ...
+
+    @property
+    def draft_prefix_len(self) -> int:
+        """Draft KV coverage."""
+        ...
+
+    @property
+    def kind(self) -> str:
+        """One of :data:`CHECKPOINT_KINDS`."""
+        ...
+
+    @property
+    def dependencies(self) -> frozenset[int]:
+        """Every non-zero id in ``block_ids`` and ``auxiliary_block_ids``."""
+        ...
+
+
+class BoundaryCheckpointCache(Protocol):
+    """``manager.boundary_checkpoints`` (§2.4)."""
+
+    def find(self, request: Any, max_length: int) -> BoundaryCheckpoint | None:
+        """Longest published checkpoint that is an exact prefix of ``request``."""
+        ...
+
+    def acquire(self, checkpoint_id: int) -> BoundaryCheckpoint | None:
+        """Pin every dependency of a published checkpoint; None if not published."""
+        ...
+
+    def release(self, checkpoint: BoundaryCheckpoint) -> None:
+        """Undo one :meth:`acquire`."""
+        ...
+
+    def stage(self, request: Any, checkpoint: BoundaryCheckpoint, num_ranks: int) -> None:
+        """Record a pending bundle, pinning its dependencies."""
+        ...
+
+    def acknowledge(self, checkpoint_id: int, rank: int) -> bool:
+        """Record ``rank``; True only on the call that publishes."""
+        ...
+
+    def discard(self, checkpoint_id: int) -> None:
+        """Release a pending bundle."""
+        ...
+
+    def is_pending(self, checkpoint_id: int) -> bool:
+        """Whether ``checkpoint_id`` is staged and unresolved."""
+        ...
+
+    def contains_block(self, block_id: int) -> bool:
+        """Whether a published bundle depends on ``block_id``."""
+        ...
+
+    def invalidate_block(self, block_id: int) -> None:
+        """Eviction hook: drop published bundles / mark pending ones using ``block_id``."""
+        ...
+
+    def invalidate(self, checkpoint_id: int) -> None:
+        """Drop one published bundle."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every published bundle (RuntimeError if anything is pending)."""
+        ...
+
+    def next_id(self) -> int:
+        """A fresh checkpoint id."""
+        ...
+
+    def __len__(self) -> int:
+        """Number of published entries."""
+        ...
+
+
+class KVCacheBlocks(Protocol):
+    """``vllm.v1.core.kv_cache_manager.KVCacheBlocks`` subset."""
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per KV group."""
+        ...
+
+
+class BlockPool(Protocol):
+    """``vllm.v1.core.block_pool.BlockPool`` subset the connector (and tests) use."""
+
+    def get_num_free_blocks(self) -> int:
+        """Free blocks, including free-but-cached ones."""
+        ...
+
+
+class KVCacheGroupSpec(Protocol):
+    """``kv_cache_config.kv_cache_groups[g]``: ``layer_names`` and ``kv_cache_spec``."""
+
+    layer_names: list[str]
+    kv_cache_spec: Any
+
+
+class KVCacheConfig(Protocol):
+    """``vllm.v1.kv_cache_interface.KVCacheConfig`` subset."""
+
+    num_blocks: int
+    kv_cache_groups: list[KVCacheGroupSpec]
+
+
+class SingleTypeManager(Protocol):
+    """``manager.coordinator.single_type_managers[g]``: its scheduler-side page width."""
+
+    block_size: int
+
+
+def is_recurrent_group(group: KVCacheGroupSpec) -> bool:
+    """Whether KV group ``group`` is recurrent: *all* its layer specs are ``MambaSpec``.
+
+    With vLLM installed this uses ``iter_layer_specs`` and ``MambaSpec`` as the
+    reference does; otherwise a spec is recurrent when its class is named
+    ``MambaSpec`` (the simulated engine's stand-in), or, for a grouped spec,
+    when every member of ``kv_cache_specs`` is.
+    """
+    spec = group.kv_cache_spec
+    if VLLM_AVAILABLE:  # pragma: no cover - vLLM not installed in CI
+        from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found, unused-ignore]
+            MambaSpec,
+            iter_layer_specs,
+        )
+
+        specs = list(iter_layer_specs(spec))
+        return bool(specs) and all(isinstance(s, MambaSpec) for s in specs)
+    members = getattr(spec, "kv_cache_specs", None)
+    if isinstance(members, Mapping) and members:
+        return all(type(s).__name__ == "MambaSpec" for s in members.values())
+    return type(spec).__name__ == "MambaSpec"
+
+
+class KVCacheManager(Protocol):
+    """``vllm.v1.core.kv_cache_manager.KVCacheManager`` boundary subset (§2.3, legacy #709).
+
+    The newer restore-admission methods are listed in :data:`ADMISSION_METHODS`;
+    detect them with :func:`supports_admission_api`.
+    """
+
+    boundary_checkpoints: BoundaryCheckpointCache | None
+    block_pool: BlockPool
+    coordinator: Any  # .single_type_managers[g].block_size
+    kv_cache_config: KVCacheConfig
+    max_model_len: int
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Caching is on and ``request`` does not skip prefix-cache reads."""
+        ...
+
+    def boundary_checkpoint_page_positions(self, num_tokens: int) -> tuple[tuple[int, ...], ...]:
+        """Logical page indices per KV group for a checkpoint of ``num_tokens``."""
+        ...
+
+    def reserve_external_boundary_checkpoint(
+        self,
+        request: Any,
+        num_tokens: int,
+        page_positions: tuple[tuple[int, ...], ...],
+        *,
+        draft_prefix_len: int,
+        kind: str,
+        num_ranks: int,
+    ) -> BoundaryCheckpoint | None:
+        """Allocate and stage a private import for ``request`` (None = no capacity).
+
+        The newest allocator also accepts ``reserve_admission: bool = False``.
+        """
+        ...
+
+    def acknowledge_external_boundary_checkpoint(self, checkpoint_id: int, rank: int) -> bool:
+        """Record one rank's finished copy; True only on the publishing call."""
+        ...
+
+    def discard_external_boundary_checkpoint(self, checkpoint_id: int) -> None:
+        """Release an unpublished import (every rank must have reported first)."""
+        ...
+
+
+ADMISSION_METHODS: tuple[str, ...] = (
+    "can_admit_external_boundary_request",
+    "external_boundary_admission_ready",
+    "release_external_boundary_admission",
+)
+"""Newest-allocator methods whose presence (callable) marks the admission API [T]."""
+
+
+def supports_admission_api(manager: Any) -> bool:
+    """Whether ``manager`` has the restore-admission reservation API (§2.3).
+
+    Mirrors the reference detection: the three methods of
+    :data:`ADMISSION_METHODS` are callable and
+    ``reserve_external_boundary_checkpoint`` accepts ``reserve_admission``.
+    """
+    if not all(callable(getattr(manager, name, None)) for name in ADMISSION_METHODS):
+        return False
+    reserve = getattr(manager, "reserve_external_boundary_checkpoint", None)
+    if reserve is None:
+        return False
+    try:
+        return "reserve_admission" in inspect.signature(reserve).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class SchedulerOutput(Protocol):
+    """``vllm.v1.core.sched.output.SchedulerOutput`` subset."""
+
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] | None
+    total_num_scheduled_tokens: int
+    num_scheduled_tokens: dict[str, int]
+    kv_connector_metadata: Any | None
+
+
+class KVConnectorOutput(Protocol):
+    """``vllm.v1.outputs.KVConnectorOutput`` (§1.4), aggregated across ranks."""
+
+    finished_sending: set[str] | None
+    finished_recving: set[str] | None
+    kv_connector_stats: Any | None
+    kv_cache_events: Any | None
+    kv_connector_worker_meta: KVConnectorWorkerMetadata | None
+    invalid_block_ids: set[int]
+    expected_finished_count: int
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class BoundaryCheckpointState(Protocol):
+    """``vllm.v1.worker.gpu.boundary_checkpoint.BoundaryCheckpointState`` connector view (§2.5)."""
+
+    def get_external_checkpoint_page_pool(self) -> Any:
+        """uint8 ``[num_blocks, page_bytes]`` contiguous pool; row 0 is the null block."""
+        ...
+
+    def get_external_checkpoint_layout(self) -> dict[str, Any]:
+        """Address-free, capacity-free layout descriptor (must include ``page_bytes``)."""
+        ...
+
+    def initialize_external_checkpoint_layout(self, layout: Mapping[str, Any]) -> None:
+        """ValueError unless ``layout`` equals :meth:`get_external_checkpoint_layout`."""
+        ...
+
+
+# --------------------------------------------------------------------------- shared types
+
+
+@dataclass(frozen=True)
+class CheckpointEngineTask:
+    """One copy task, scheduler → every worker rank, emitted exactly once (storage §7.4).
+
+    ``block_ids``: live physical page ids per manifest group (null entries
+    removed, position order), the auxiliary page group last. Block ids never
+    enter a manifest.
+    """
+
+    task_id: str
+    manifest: Manifest
+    direction: Direction
+    block_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("STORE", "RETRIEVE"):
+            raise ValueError(f"invalid task direction {self.direction!r}")
