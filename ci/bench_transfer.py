@@ -5,7 +5,6 @@ the same run. DESIGN §9 targets: ratio >= 0.8 with 1 thread, >= 1.5 with 2."""
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -16,32 +15,16 @@ import numpy as np
 
 import lmcache_rc as rc
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_common import single_group_manifest
+
 PAGE = 256 * 1024
 PAGES_PER_GENERATION = 64
 LAYOUT = {"schema_version": 1, "page_bytes": PAGE}
 
 
 def _manifest(seq: int, pages: int) -> rc.Manifest:
-    roots = rc.TokenRoots.build("bench-transfer", [seq, *range(pages)])
-    keys = roots.content_keys([(n + 1, "attention:0") for n in range(pages)])
-    payload = json.dumps(
-        {
-            "schema_version": 2,
-            "worker_layout": LAYOUT,
-            "page_groups": [
-                {
-                    "name": "engine-kv-group:0",
-                    "page_bytes": PAGE,
-                    "positions": list(range(pages)),
-                    "content_keys": keys,
-                }
-            ],
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    ).encode()
-    prefix = roots.prefix(pages)
-    return rc.Manifest(rc.checkpoint_generation(prefix, payload), prefix, 1, payload)
+    return single_group_manifest("bench-transfer", seq, pages, PAGE, LAYOUT)
 
 
 def _run(

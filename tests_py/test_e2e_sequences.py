@@ -118,14 +118,16 @@ def test_admission_api_allocator(sim_engine_factory: Factory) -> None:  # noqa: 
 # ----------------------------------------------------------------------------- (c)
 
 
+@pytest.mark.parametrize("ws", [1, 2, 4], ids=["ws1", "ws2", "ws4"])
 @pytest.mark.parametrize("kind", ["reject", "raise", "fail"])
 def test_restore_where_one_rank_fails_then_retries(
     sim_engine_factory: Factory,  # noqa: F811
+    ws: int,
     kind: str,
 ) -> None:
-    out = store(sim_engine_factory, PROMPT, world_size=2)
-    consumer = sim_engine_factory(world_size=2)
-    consumer.inject_fault(kind, rank=1, direction="RETRIEVE")  # type: ignore[arg-type]
+    out = store(sim_engine_factory, PROMPT, world_size=ws)
+    consumer = sim_engine_factory(world_size=ws)
+    consumer.inject_fault(kind, rank=ws - 1, direction="RETRIEVE")  # type: ignore[arg-type]
     turn2 = PROMPT + out + [4, 5]
     r = consumer.generate("c", turn2, 3)
     # the failed attempt was discarded after both ranks reported; the retry restores
@@ -135,7 +137,7 @@ def test_restore_where_one_rank_fails_then_retries(
     assert counters.get("restores_failed") == 1
     cache = consumer.manager.boundary_checkpoints
     assert cache is not None and cache.stats["discarded"] == 1
-    assert consumer.status().ranks[1]["faults_injected"] == {kind: 1}
+    assert consumer.status().ranks[ws - 1]["faults_injected"] == {kind: 1}
     consumer.assert_idle()
 
 
@@ -153,17 +155,19 @@ def test_restore_where_a_rank_always_fails_recomputes(sim_engine_factory: Factor
     consumer.assert_idle()
 
 
+@pytest.mark.parametrize("ws", [1, 2, 4], ids=["ws1", "ws2", "ws4"])
 def test_store_where_one_rank_fails_is_not_published(
     sim_engine_factory: Factory,  # noqa: F811
+    ws: int,
     lmcache_rc_client: rc.Client,  # noqa: F811
 ) -> None:
-    producer = sim_engine_factory(world_size=2)
+    producer = sim_engine_factory(world_size=ws)
     producer.inject_fault("reject", rank=0, direction="STORE", count=100)
     r = producer.generate("p", PROMPT, 3)
     assert r.stores_offered >= 1
     producer.assert_idle()
     assert lmcache_rc_client.status()["generations"] == 0
-    consumer = sim_engine_factory(world_size=2)
+    consumer = sim_engine_factory(world_size=ws)
     r2 = consumer.generate("c", [*PROMPT, 1], 2)
     assert r2.restored_tokens == 0
     consumer.assert_idle()
@@ -179,13 +183,26 @@ def _step_until_held(eng: SimEngine, limit: float = 30.0) -> None:
         eng.step()
 
 
-def test_request_cancelled_mid_copy_discards_the_import(sim_engine_factory: Factory) -> None:  # noqa: F811
-    out = store(sim_engine_factory, PROMPT, world_size=2)
-    consumer = sim_engine_factory(world_size=2)
-    consumer.inject_fault("hold", rank=0, direction="RETRIEVE")
+def _restore_held_mid_copy(
+    factory: Factory, ws: int, request_id: str, held_rank: int
+) -> tuple[SimEngine, list[int], list[int]]:
+    """Stores PROMPT on one replica, then starts restoring its continuation on a
+    second replica whose rank ``held_rank`` holds its copy in flight."""
+    out = store(factory, PROMPT, world_size=ws)
+    consumer = factory(world_size=ws)
+    consumer.inject_fault("hold", rank=held_rank, direction="RETRIEVE")
     turn2 = PROMPT + out + [6]
-    consumer.add_request("c", turn2, 3)
+    consumer.add_request(request_id, turn2, 3)
     _step_until_held(consumer)
+    return consumer, out, turn2
+
+
+@pytest.mark.parametrize("ws", [1, 2, 4], ids=["ws1", "ws2", "ws4"])
+def test_request_cancelled_mid_copy_discards_the_import(
+    sim_engine_factory: Factory,  # noqa: F811
+    ws: int,
+) -> None:
+    consumer, _, _ = _restore_held_mid_copy(sim_engine_factory, ws, "c", 0)
     assert consumer.pending_imports()  # staged, pages pinned
     free_before = consumer.manager.block_pool.get_num_free_blocks()
     assert consumer.abort_request("c")
@@ -207,13 +224,12 @@ def test_request_cancelled_mid_copy_discards_the_import(sim_engine_factory: Fact
 # ----------------------------------------------------------------------------- (e)
 
 
-def test_request_id_reused_while_old_copy_pending(sim_engine_factory: Factory) -> None:  # noqa: F811
-    out = store(sim_engine_factory, PROMPT, world_size=2)
-    consumer = sim_engine_factory(world_size=2)
-    consumer.inject_fault("hold", rank=1, direction="RETRIEVE")
-    turn2 = PROMPT + out + [6]
-    consumer.add_request("r", turn2, 3)
-    _step_until_held(consumer)
+@pytest.mark.parametrize("ws", [1, 2, 4], ids=["ws1", "ws2", "ws4"])
+def test_request_id_reused_while_old_copy_pending(
+    sim_engine_factory: Factory,  # noqa: F811
+    ws: int,
+) -> None:
+    consumer, out, turn2 = _restore_held_mid_copy(sim_engine_factory, ws, "r", ws - 1)
     consumer.abort_request("r")
     y = consumer.add_request("r", turn2, 3)
     for _ in range(5):
@@ -232,13 +248,12 @@ def test_request_id_reused_while_old_copy_pending(sim_engine_factory: Factory) -
 # ----------------------------------------------------------------------------- (f)
 
 
-def test_destination_evicted_before_publication(sim_engine_factory: Factory) -> None:  # noqa: F811
-    out = store(sim_engine_factory, PROMPT, world_size=2)
-    consumer = sim_engine_factory(world_size=2)
-    consumer.inject_fault("hold", rank=0, direction="RETRIEVE")
-    turn2 = PROMPT + out + [6]
-    consumer.add_request("c", turn2, 3)
-    _step_until_held(consumer)
+@pytest.mark.parametrize("ws", [1, 2, 4], ids=["ws1", "ws2", "ws4"])
+def test_destination_evicted_before_publication(
+    sim_engine_factory: Factory,  # noqa: F811
+    ws: int,
+) -> None:
+    consumer, out, turn2 = _restore_held_mid_copy(sim_engine_factory, ws, "c", 0)
     assert consumer.evict_pending_import("c")
     consumer.release_held()
     consumer.run_until_idle()
@@ -396,7 +411,10 @@ def test_preemption_under_pool_pressure(sim_engine_factory: Factory) -> None:  #
     eng.add_request("a", a, 40)
     eng.add_request("b", b, 40)
     eng.run_until_idle()
-    assert eng.stats.preemptions >= 1
+    # Whether a request is preempted depends on when store copies release
+    # their pins (timing); preemption itself is pinned deterministically by
+    # test_sim_engine.py::test_preemption_recomputes_and_matches_reference.
+    # Here, whatever happened under pressure, outputs and restores are exact.
     assert eng.result("a").output_tokens == eng.model.reference_generate(a, 40)
     assert eng.result("b").output_tokens == eng.model.reference_generate(b, 40)
     eng.assert_idle()

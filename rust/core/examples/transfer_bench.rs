@@ -58,18 +58,32 @@ fn engine(socket: &std::path::Path, pool: &mut [u8], rows: u64, workers: usize) 
     TransferEngine::start(Box::new(client), backend, config).expect("engine")
 }
 
-fn run(engine: &TransferEngine, manifests: &[Manifest], direction: Direction) -> Duration {
+/// Rows of job `k`: consecutive, or (`scattered`) interleaved across jobs so
+/// that no two pages of a job are adjacent and every page is its own copy.
+fn rows(k: u64, jobs: u64, scattered: bool) -> Vec<u64> {
+    if scattered {
+        (0..PER_JOB).map(|p| 1 + p * jobs + k).collect()
+    } else {
+        (1 + k * PER_JOB..1 + (k + 1) * PER_JOB).collect()
+    }
+}
+
+fn run(
+    engine: &TransferEngine,
+    manifests: &[Manifest],
+    direction: Direction,
+    scattered: bool,
+) -> Duration {
     let start = Instant::now();
     let handles: Vec<_> = manifests
         .iter()
         .enumerate()
         .map(|(k, m)| {
-            let first = 1 + k as u64 * PER_JOB;
             let job = Job {
                 manifest: m.clone(),
                 rank: 0,
                 direction,
-                block_ids: vec![(first..first + PER_JOB).collect()],
+                block_ids: vec![rows(k as u64, manifests.len() as u64, scattered)],
                 producer_event: None,
             };
             engine.submit(job).expect("submit").expect("admitted")
@@ -132,7 +146,7 @@ fn main() {
     let mut memcpy1 = Vec::new();
     let mut memcpy2 = Vec::new();
     let mut figures = vec![];
-    for workers in [1usize, 2] {
+    for (workers, scattered) in [(1usize, false), (2, false), (1, true), (2, true)] {
         let (mut st, mut rt) = (Vec::new(), Vec::new());
         let store = engine(&socket, &mut src, rows, workers);
         let restore = engine(&socket, &mut dst, rows, workers);
@@ -145,8 +159,8 @@ fn main() {
                     m
                 })
                 .collect();
-            let s = run(&store, &manifests, Direction::Store);
-            let r = run(&restore, &manifests, Direction::Retrieve);
+            let s = run(&store, &manifests, Direction::Store, scattered);
+            let r = run(&restore, &manifests, Direction::Retrieve, scattered);
             svc.clear(false, true).expect("clear");
             if round > 0 {
                 st.push(s);
@@ -162,7 +176,7 @@ fn main() {
             memcpy2.push(memcpy_threads(&mut dst, &src, 2));
         }
         dst.fill(0);
-        figures.push((workers, median(st), median(rt)));
+        figures.push((workers, scattered, median(st), median(rt)));
     }
     let mb = bytes as f64 / 1e6;
     let m1 = median(memcpy1);
@@ -178,10 +192,15 @@ fn main() {
         rate(m2),
         m1.as_secs_f64() / m2.as_secs_f64()
     );
-    for (workers, s, r) in figures {
+    for (workers, scattered, s, r) in figures {
         let target = if workers == 1 { 0.8 } else { 1.5 };
+        let rows = if scattered {
+            "scattered "
+        } else {
+            "contiguous"
+        };
         println!(
-            "  {workers} copy thread(s): store {:8.1} MB/s ratio {:.3}, restore {:8.1} MB/s ratio {:.3} (target >= {target})",
+            "  {rows} rows, {workers} copy thread(s): store {:8.1} MB/s ratio {:.3}, restore {:8.1} MB/s ratio {:.3} (target >= {target})",
             rate(s),
             m1.as_secs_f64() / s.as_secs_f64(),
             rate(r),

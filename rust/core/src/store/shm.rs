@@ -280,6 +280,18 @@ impl ShmPool {
     /// [`Error::NotFound`]; a segment whose size is not `expected_size` (the
     /// pool size negotiated with the server) is [`Error::InvalidInput`].
     pub fn open(name: &str, expected_size: u64) -> Result<ShmPool> {
+        Self::open_with(name, expected_size, false)
+    }
+
+    /// [`open`](Self::open), optionally pre-faulting the whole mapping
+    /// (`MAP_POPULATE`): a worker that copies into arbitrary slots then pays
+    /// the page-table cost once, at mapping time, instead of on every first
+    /// touch of a slot during a copy.
+    pub fn open_populated(name: &str, expected_size: u64) -> Result<ShmPool> {
+        Self::open_with(name, expected_size, true)
+    }
+
+    fn open_with(name: &str, expected_size: u64, populate: bool) -> Result<ShmPool> {
         let name = normalise_name(name)?;
         let segment = format!("/{name}");
         let fd = match shm::open(segment.as_str(), shm::OFlags::RDWR, Mode::empty()) {
@@ -315,8 +327,12 @@ impl ShmPool {
                 "shared-memory pool size {expected_size} does not fit this platform's address space"
             ))
         })?;
-        let map = MmapOptions::new()
-            .len(len)
+        let mut options = MmapOptions::new();
+        options.len(len);
+        if populate {
+            options.populate();
+        }
+        let map = options
             .map_raw(&fd)
             .map_err(|e| Error::io(format!("map shared-memory segment {segment}"), e))?;
         Ok(ShmPool {

@@ -141,6 +141,41 @@ impl CpuBackend {
     }
 }
 
+/// Pages whose rows and slots both follow each other, copied as one range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRun {
+    /// First row.
+    pub block: u64,
+    /// First slot's offset.
+    pub shm_offset: u64,
+    /// Pages in the run.
+    pub pages: u64,
+}
+
+/// Joins adjacent pages of a plan into runs: a large copy moves bytes much
+/// faster than many page-sized ones (the C library switches to its
+/// streaming path), and consecutive slots and rows are common (a lease's
+/// slots are allocated together; a fresh request's blocks often are too).
+pub fn contiguous_runs(plan: &CopyPlan) -> Vec<CopyRun> {
+    let mut runs: Vec<CopyRun> = Vec::new();
+    for page in &plan.pages {
+        if let Some(last) = runs.last_mut() {
+            if page.block == last.block + last.pages
+                && page.shm_offset == last.shm_offset + last.pages * plan.page_bytes
+            {
+                last.pages += 1;
+                continue;
+            }
+        }
+        runs.push(CopyRun {
+            block: page.block,
+            shm_offset: page.shm_offset,
+            pages: 1,
+        });
+    }
+    runs
+}
+
 /// Refuses an empty or overflowing pool shape.
 pub fn check_shape(shape: PoolShape) -> Result<()> {
     if shape.num_blocks < 2 || shape.page_bytes == 0 {
@@ -183,32 +218,65 @@ impl CopyBackend for CpuBackend {
         _producer_event: Option<u64>,
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
-        let width = plan.page_bytes as usize;
         let shm = pool.as_ptr();
-        for page in &plan.pages {
-            // Both are in range: plan validation bounded the block by
-            // `num_blocks` and the slot by the pool size (see below).
-            let row = (page.block * self.shape.page_bytes) as usize;
-            let slot = page.shm_offset as usize;
-            // SAFETY: `plan_copy`/`check_job` proved `0 < block < num_blocks`,
-            // `page_bytes == shape.page_bytes` and `shm_offset + page_bytes <=
-            // pool.size()`, so both ranges lie inside live allocations (the
-            // page pool kept alive per `new`'s contract, the mapping by `pool`).
-            // The page pool is private memory and the SHM is a separate
-            // mapping, so the ranges cannot overlap. The lease gives this job
-            // exclusive use of the slot, and the connector's pin gives it the
-            // row; no Rust references to either range exist.
+        for run in contiguous_runs(plan) {
+            let row = (run.block * self.shape.page_bytes) as usize;
+            let slot = run.shm_offset as usize;
+            let len = (run.pages * plan.page_bytes) as usize;
+            // SAFETY: every page of the run passed `plan_copy`/`check_job`:
+            // `0 < block < num_blocks`, `page_bytes == shape.page_bytes` and
+            // `shm_offset + page_bytes <= pool.size()`; a run only joins pages
+            // whose rows and slots are both adjacent, so the whole range lies
+            // inside the live page pool (kept alive per `new`'s contract) and
+            // the mapping (kept alive by `pool`). The page pool is private
+            // memory and the SHM a separate mapping, so they cannot overlap.
+            // The lease gives this job exclusive use of the slots and the
+            // connector's pins give it the rows; no Rust references to either
+            // range exist.
             unsafe {
                 match plan.direction {
                     Direction::Store => {
-                        std::ptr::copy_nonoverlapping(self.base.add(row), shm.add(slot), width)
+                        std::ptr::copy_nonoverlapping(self.base.add(row), shm.add(slot), len)
                     }
                     Direction::Retrieve => {
-                        std::ptr::copy_nonoverlapping(shm.add(slot), self.base.add(row), width)
+                        std::ptr::copy_nonoverlapping(shm.add(slot), self.base.add(row), len)
                     }
                 }
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::plan::PageCopy;
+
+    fn plan(pages: &[(u64, u64)]) -> CopyPlan {
+        CopyPlan {
+            direction: Direction::Store,
+            page_bytes: 100,
+            pages: pages
+                .iter()
+                .map(|&(block, shm_offset)| PageCopy { block, shm_offset })
+                .collect(),
+            skipped: 0,
+        }
+    }
+
+    #[test]
+    fn runs_join_only_pages_adjacent_on_both_sides() {
+        // rows 1,2,3 with slots 0,100,200 join; row 5 follows the slot but
+        // not the row; row 6 follows row 5 but its slot does not follow.
+        let runs = contiguous_runs(&plan(&[(1, 0), (2, 100), (3, 200), (5, 300), (6, 500)]));
+        let got: Vec<(u64, u64, u64)> = runs
+            .iter()
+            .map(|r| (r.block, r.shm_offset, r.pages))
+            .collect();
+        assert_eq!(got, vec![(1, 0, 3), (5, 300, 1), (6, 500, 1)]);
+        assert!(contiguous_runs(&plan(&[])).is_empty());
+        // Descending rows never join.
+        assert_eq!(contiguous_runs(&plan(&[(4, 0), (3, 100)])).len(), 2);
     }
 }

@@ -21,7 +21,9 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::backend::{CopyBackend, CopyFailure, FaultQueue, Registration, check_shape};
+use super::backend::{
+    CopyBackend, CopyFailure, FaultQueue, Registration, check_shape, contiguous_runs,
+};
 use super::plan::{CopyPlan, Direction, PoolShape};
 use crate::error::{Error, Result};
 use crate::store::shm::ShmPool;
@@ -235,15 +237,16 @@ impl CudaBackend {
                     "waiting on the producer event",
                 )?;
             }
-            for page in &plan.pages {
-                let row = self.base + page.block * self.shape.page_bytes;
-                let slot = shm.add(page.shm_offset as usize);
+            for run in contiguous_runs(plan) {
+                let row = self.base + run.block * self.shape.page_bytes;
+                let slot = shm.add(run.shm_offset as usize);
+                let len = run.pages as usize * width;
                 let status = match plan.direction {
                     Direction::Store => {
-                        sys::cuMemcpyDtoHAsync_v2(slot.cast(), row, width, self.stream)
+                        sys::cuMemcpyDtoHAsync_v2(slot.cast(), row, len, self.stream)
                     }
                     Direction::Retrieve => {
-                        sys::cuMemcpyHtoDAsync_v2(row, slot.cast_const().cast(), width, self.stream)
+                        sys::cuMemcpyHtoDAsync_v2(row, slot.cast_const().cast(), len, self.stream)
                     }
                 };
                 check(status, "enqueueing a page copy")?;
@@ -313,7 +316,7 @@ impl CopyBackend for CudaBackend {
         let synced = unsafe { sys::cuStreamSynchronize(self.stream) };
         if synced != sys::CUresult::CUDA_SUCCESS {
             return Err(CopyFailure::InFlight(format!(
-                "cuStreamSynchronize failed ({synced:?}) after enqueueing {} page copies",
+                "cuStreamSynchronize failed ({synced:?}) after enqueueing {} copies",
                 enqueued.as_ref().map_or(0, |n| *n)
             )));
         }

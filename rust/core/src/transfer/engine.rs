@@ -569,7 +569,7 @@ impl Inner {
             *slot = None;
         }
         let caps = self.api.capabilities()?;
-        let pool = ShmPool::open(&caps.shm_name, caps.pool_size)?;
+        let pool = ShmPool::open_populated(&caps.shm_name, caps.pool_size)?;
         plan::check_pool(&caps, &pool)?;
         let registration = self.backend.register(&pool)?;
         let m = Arc::new(Mapped {

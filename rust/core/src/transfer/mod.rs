@@ -42,7 +42,9 @@ mod engine;
 pub mod plan;
 mod sidecar;
 
-pub use backend::{CopyBackend, CopyFailure, CpuBackend, Fault, FaultQueue, Registration};
+pub use backend::{
+    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, contiguous_runs,
+};
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, Outcome, TransferEngine};
 pub use plan::{CopyPlan, Direction, PageCopy, PoolShape};
 pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};
