@@ -2,8 +2,9 @@
 
 The upstream names below are a literal copy of the abstract methods of vLLM's
 ``KVConnectorBase_V1`` and ``SupportsHMA`` (vllm/distributed/kv_transfer/
-kv_connector/v1/base.py) plus the fork's boundary hooks, so a rename on
-either side shows up here even where vLLM is not installed.
+kv_connector/v1/base.py, checked against the vllm 0.33.0 wheel) plus the
+fork's boundary hooks, so a rename on either side shows up here even where
+vLLM is not installed.
 """
 
 from __future__ import annotations
