@@ -21,5 +21,5 @@ echo "== service: store + retrieve through lease slots vs memcpy"
 python ci/bench_service.py
 run_example rpc_bench "RPC round trip vs raw Unix-socket ping-pong" $quick
 run_example transfer_bench "transfer engine (Rust, cpu backend) vs memcpy"
-echo "== transfer engine (Python, cpu backend): store + restore through the sidecar vs memcpy"
+echo "== transfer engine (lmcache-rc bench, cpu backend): store + restore through the sidecar vs memcpy"
 python ci/bench_transfer.py

@@ -13,9 +13,7 @@ import time
 import numpy as np
 
 import lmcache_rc as rc
-
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import single_group_manifest
+from lmcache_rc.bench import single_group_manifest
 
 PAGE = 256 * 1024
 

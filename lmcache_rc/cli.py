@@ -11,6 +11,8 @@ Sub-commands:
 - ``demo``: run a self-contained multi-turn workload on the simulated engine
   against an embedded sidecar, restart it, and verify every restore byte for
   byte (see :mod:`lmcache_rc.demo`).
+- ``bench``: the transfer engine's store/restore throughput against memcpy
+  (see :mod:`lmcache_rc.bench`).
 
 Exit codes: 0 success, 1 operation failed, 2 bad input, 3 sidecar unreachable,
 4 refused (e.g. a forced clear while leases are live).
@@ -235,6 +237,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(options)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from lmcache_rc.bench import main as bench_main
+
+    for name in ("mib", "page_kib", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    return bench_main(args.mib, args.page_kib, args.rounds, args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lmcache-rc`` (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -305,6 +316,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object (progress goes to stderr)"
     )
     demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser(
+        "bench", help="measure the transfer engine's store/restore throughput against memcpy"
+    )
+    bench.add_argument("--mib", type=int, default=256, help="MiB moved per round (default 256)")
+    bench.add_argument("--page-kib", type=int, default=256, help="page size in KiB (default 256)")
+    bench.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 
