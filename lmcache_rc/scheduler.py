@@ -24,9 +24,10 @@ from __future__ import annotations
 import html
 import json
 import logging
+import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -155,6 +156,93 @@ class SidecarClient(Protocol):
         ...
 
 
+class _NonBlockingSidecar:
+    """Keeps reconnecting off the scheduler thread.
+
+    ``rc.Client``'s ``*_async`` calls send on the caller's thread, and when the
+    connection is gone they first reconnect there, which can take up to the
+    connect timeout against a sidecar that accepts but does not answer. So
+    while the client reports no live connection, calls fail at once with
+    ``Unavailable`` (the bridge turns that into a miss or a skipped store),
+    one background thread reconnects (at most one attempt per
+    ``retry_interval`` seconds), and ABORTs are queued and sent once the
+    connection is back. Clients without a ``connected`` attribute (test
+    fakes) are used directly.
+    """
+
+    def __init__(self, client: SidecarClient, retry_interval: float = 1.0) -> None:
+        self._client = client
+        self._retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._reconnecting = False
+        self._last_attempt = float("-inf")
+        self._aborts: deque[str] = deque(maxlen=4096)
+
+    def _live(self) -> bool:
+        connected = getattr(self._client, "connected", None)
+        if connected is None or connected:
+            self._flush_aborts()
+            return True
+        self._start_reconnect()
+        return False
+
+    def _start_reconnect(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._reconnecting or now - self._last_attempt < self._retry_interval:
+                return
+            self._reconnecting = True
+            self._last_attempt = now
+        threading.Thread(target=self._reconnect, name="lmcache-rc-reconnect", daemon=True).start()
+
+    def _reconnect(self) -> None:
+        try:
+            # Any blocking call connects; capabilities is the cheapest.
+            self._client.capabilities()  # type: ignore[attr-defined]
+            logger.info("reconnected to the lmcache-rc sidecar")
+        except Exception as e:
+            logger.info("the lmcache-rc sidecar is still unreachable: %s", e)
+        finally:
+            with self._lock:
+                self._reconnecting = False
+
+    def _flush_aborts(self) -> None:
+        while self._aborts:
+            generation = self._aborts.popleft()
+            try:
+                self._client.abort_async(generation)
+            except Exception as e:  # the sidecar drops abandoned pending generations itself
+                logger.warning("queued ABORT of %s could not be sent: %s", generation, e)
+
+    def _down(self, what: str) -> rc.errors.Unavailable:
+        return rc.errors.Unavailable(
+            f"{what}: no live connection to the lmcache-rc sidecar (reconnecting in the background)"
+        )
+
+    def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
+        """FIND, or ``Unavailable`` at once while disconnected."""
+        if not self._live():
+            raise self._down("checkpoint lookup")
+        return self._client.find_async(roots)
+
+    def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
+        """BEGIN, or ``Unavailable`` at once while disconnected."""
+        if not self._live():
+            raise self._down("checkpoint store")
+        return self._client.begin_async(manifest)
+
+    def abort_async(self, generation: str) -> SidecarFuture | None:
+        """ABORT now, or queued until the connection is back (None)."""
+        if not self._live():
+            self._aborts.append(generation)
+            return None
+        return self._client.abort_async(generation)
+
+    def close(self) -> None:
+        """Closes the client."""
+        self._client.close()
+
+
 # --------------------------------------------------------------------------- state records
 
 _FINDING = "finding"  # a FIND is in flight
@@ -261,6 +349,7 @@ class CheckpointSchedulerBridge:
         begin_timeout: float | None = None,
         max_lookup_attempts: int = 4,
         max_tasks: int = 64,
+        max_in_flight: int | None = None,
         task_timeout: float | None = None,
         layout_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -271,7 +360,7 @@ class CheckpointSchedulerBridge:
             raise ValueError("max_lookup_attempts must be at least 1")
         if manager.boundary_checkpoints is None:
             raise ValueError("the KV cache manager has no boundary-checkpoint cache")
-        self._client = client
+        self._client = _NonBlockingSidecar(client)
         self._manager = manager
         self._cache = manager.boundary_checkpoints
         self._identity: dict[str, Any] = dict(identity)
@@ -282,6 +371,12 @@ class CheckpointSchedulerBridge:
         self._begin_timeout = lookup_timeout if begin_timeout is None else begin_timeout
         self._max_attempts = max_lookup_attempts
         self._max_tasks = max_tasks
+        # Tasks sent to the ranks and not yet reported by all of them: never
+        # more than each rank's copy queue admits (its max_pending), or the
+        # surplus would be refused there and reported as failed.
+        self._max_in_flight = max_tasks if max_in_flight is None else max_in_flight
+        if self._max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self._task_timeout = task_timeout
         self._clock = clock
         self._admission = supports_admission_api(manager)
@@ -354,11 +449,17 @@ class CheckpointSchedulerBridge:
 
         LoRA requests never do (adapter ids do not authenticate adapter
         bytes, I3); multimodal requests neither (their placeholder tokens do
-        not name the content here; see ``docs/vllm.md``).
+        not name the content here; see ``docs/vllm.md``); nor requests the
+        boundary-checkpoint cache does not support (``supports_request``,
+        spec §2.4: e.g. prompt embeddings or resumable requests), for which
+        the allocator's reserve answers None for a reason other than capacity.
         """
         if getattr(request, "lora_request", None) is not None:
             return False
-        return not getattr(request, "mm_features", None)
+        if getattr(request, "mm_features", None):
+            return False
+        supports = getattr(self._cache, "supports_request", None)
+        return supports is None or bool(supports(request))
 
     # ------------------------------------------------------------------ restore path
 
@@ -377,7 +478,18 @@ class CheckpointSchedulerBridge:
         if self._layout is None:
             return True  # negotiation failed: serve without the directory
         if rid in self._cancelled:
-            return False  # an earlier request with this id still has copies in flight
+            # An earlier request with this id still has copies in flight: wait
+            # for them, unless they are all past the task timeout (a wedged
+            # rank). Then this request recomputes; the old id stays cancelled,
+            # so the late results are still discarded, never published.
+            if not self._cancelled_copies_timed_out(rid):
+                return False
+            lookup = self._lookups.get(rid)
+            if lookup is None:
+                lookup = _Lookup(request_id=rid, phase=_DONE)
+                self._lookups[rid] = lookup
+                self._finish_lookup(lookup, "reused-id-timeout")
+            return lookup.phase == _DONE
         lookup = self._lookups.get(rid)
         if lookup is None:
             return self._start_lookup(request)
@@ -389,6 +501,19 @@ class CheckpointSchedulerBridge:
             return self._check_restore_timeout(lookup)
         if lookup.phase == _RETRY:
             return self._send_find(request, lookup)
+        return True
+
+    def _cancelled_copies_timed_out(self, rid: str) -> bool:
+        """Whether every copy a cancelled request ``rid`` left is past the task timeout."""
+        if self._task_timeout is None:
+            return False
+        now = self._clock()
+        for task_id in self._cancelled.get(rid, ()):
+            task = self._tasks.get(task_id)
+            if task is None or task.sent_at is None:
+                return False  # still at BEGIN (bounded by its own deadline) or unsent
+            if now - task.sent_at < self._task_timeout:
+                return False
         return True
 
     def _start_lookup(self, request: Any) -> bool:
@@ -763,7 +888,9 @@ class CheckpointSchedulerBridge:
 
     def _abort(self, generation: str) -> None:
         try:
-            self._background.append(self._client.abort_async(generation))
+            future = self._client.abort_async(generation)
+            if future is not None:
+                self._background.append(future)
         except Exception as e:  # the server cleans up abandoned pending generations itself
             logger.warning("ABORT of %s could not be sent: %s", generation, e)
 
@@ -776,11 +903,15 @@ class CheckpointSchedulerBridge:
         self._background = [f for f in self._background if not f.done()]
         now = self._clock()
         out: list[CheckpointEngineTask] = []
-        for task in self._tasks.values():
-            if not task.sent:
-                task.sent = True
-                task.sent_at = now
-                out.append(task.engine_task())
+        in_flight = sum(1 for t in self._tasks.values() if t.sent)
+        unsent = [t for t in self._tasks.values() if not t.sent]  # oldest first
+        room = max(0, self._max_in_flight - in_flight)
+        for task in unsent[:room]:
+            task.sent = True
+            task.sent_at = now
+            out.append(task.engine_task())
+        if len(unsent) > room:
+            self._counters["tasks_deferred"] += len(unsent) - room  # sent in a later step
         self._counters["tasks_sent"] += len(out)
         return CheckpointConnectorMetadata(out)
 

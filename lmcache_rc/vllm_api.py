@@ -445,6 +445,11 @@ class BoundaryCheckpoint(Protocol):
 class BoundaryCheckpointCache(Protocol):
     """``manager.boundary_checkpoints`` (§2.4)."""
 
+    def supports_request(self, request: Any) -> bool:
+        """Whether boundary checkpoints apply to ``request`` at all (spec §2.4;
+        false e.g. for prompt embeddings or resumable requests)."""
+        ...
+
     def find(self, request: Any, max_length: int) -> BoundaryCheckpoint | None:
         """Longest published checkpoint that is an exact prefix of ``request``."""
         ...

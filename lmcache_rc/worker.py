@@ -25,6 +25,7 @@ import copy
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,9 @@ __all__ = ["CheckpointWorker"]
 log = logging.getLogger(__name__)
 
 DIRECTIONS = ("STORE", "RETRIEVE")
+
+# Task ids remembered to refuse a second submission (running ones always are).
+SEEN_TASK_IDS = 65536
 
 
 def _is_cuda_tensor(pool: object) -> bool:
@@ -131,7 +135,7 @@ class CheckpointWorker:
                 layout=self.layout,
             )
         self._lock = threading.Lock()
-        self._seen: set[str] = set()
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._running: dict[str, _native.TransferFuture] = {}
         self._rejected: list[str] = []
         self._closed = False
@@ -164,9 +168,11 @@ class CheckpointWorker:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be 'STORE' or 'RETRIEVE', got {direction!r}")
         with self._lock:
-            if task_id in self._seen:
+            if task_id in self._seen or task_id in self._running:
                 raise ValueError(f"checkpoint task {task_id} was already submitted on this rank")
-            self._seen.add(task_id)
+            self._seen[task_id] = None
+            if len(self._seen) > SEEN_TASK_IDS:
+                self._seen.popitem(last=False)
             if self._closed:
                 self._rejected.append(task_id)
                 return False

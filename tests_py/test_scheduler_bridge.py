@@ -372,6 +372,13 @@ class WrappedClient:
         self.aborted.append(generation)
         return self.client.abort_async(generation)
 
+    @property
+    def connected(self) -> bool:
+        return self.client.connected
+
+    def capabilities(self) -> dict[str, Any]:
+        return self.client.capabilities()
+
     def close(self) -> None:
         pass
 

@@ -904,6 +904,13 @@ class SimAdmissionKVCacheManager(SimKVCacheManager):
             request, num_tokens, page_positions, draft_prefix_len, kind, num_ranks
         )
         rid = request.request_id
+        cache = self.boundary_checkpoints
+        if (
+            cache is None
+            or not cache.supports_request(request)
+            or not self.prefix_cache_lookup_enabled(request)
+        ):
+            return None  # not a capacity refusal: never queued as a waiter
         if reserve_admission and self._waiters and self._waiters[0] != rid:
             if rid not in self._waiters:
                 self._waiters.append(rid)

@@ -228,6 +228,9 @@ pub struct Client {
     path: PathBuf,
     config: ClientConfig,
     conn: Mutex<Option<Arc<Conn>>>,
+    /// Serialises connecting, so that `conn` is only ever held briefly and
+    /// `is_connected` never waits for a connect in progress.
+    opening: Mutex<()>,
     closed: AtomicBool,
     next_id: AtomicU64,
 }
@@ -254,6 +257,7 @@ impl Client {
             path: socket.as_ref().to_path_buf(),
             config,
             conn: Mutex::new(None),
+            opening: Mutex::new(()),
             closed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
         };
@@ -273,7 +277,7 @@ impl Client {
 
     /// Whether a live connection is open now.
     pub fn is_connected(&self) -> bool {
-        self.conn.lock().as_ref().is_some_and(|c| c.alive())
+        self.live_connection().is_some()
     }
 
     /// Closes the connection; later calls fail with [`Error::Closed`].
@@ -285,19 +289,30 @@ impl Client {
         }
     }
 
-    /// The live connection, connecting (again) if needed.
+    /// The current connection if it is alive.
+    fn live_connection(&self) -> Option<Arc<Conn>> {
+        self.conn.lock().as_ref().filter(|c| c.alive()).cloned()
+    }
+
+    /// The live connection, connecting (again) if needed. Only one caller
+    /// connects at a time; the others wait for it (not for `conn`).
     fn connection(&self) -> Result<Arc<Conn>> {
         if self.closed.load(Ordering::SeqCst) {
             return Err(Error::Closed("lmcache-rc client"));
         }
-        let mut guard = self.conn.lock();
-        if let Some(c) = guard.as_ref() {
-            if c.alive() {
-                return Ok(c.clone());
-            }
+        if let Some(c) = self.live_connection() {
+            return Ok(c);
         }
-        *guard = None;
+        let _opening = self.opening.lock();
+        if let Some(c) = self.live_connection() {
+            return Ok(c); // another caller connected meanwhile
+        }
         let conn = self.open()?;
+        let mut guard = self.conn.lock();
+        if self.closed.load(Ordering::SeqCst) {
+            conn.fail_all(WireError::from(&Error::Closed("lmcache-rc client")));
+            return Err(Error::Closed("lmcache-rc client"));
+        }
         *guard = Some(conn.clone());
         Ok(conn)
     }
