@@ -43,6 +43,10 @@ DIRECTIONS = ("STORE", "RETRIEVE")
 # Task ids remembered to refuse a second submission (running ones always are).
 SEEN_TASK_IDS = 65536
 
+# Page pools of workers that turned unsafe: a copy may still write into them,
+# so they stay referenced until the process exits (spec §7.2).
+_KEPT_UNTIL_EXIT: list[Any] = []
+
 
 def _is_cuda_tensor(pool: object) -> bool:
     """Whether ``pool`` is a torch tensor on a CUDA device (torch not imported)."""
@@ -214,8 +218,14 @@ class CheckpointWorker:
             if future.outcome == "failed":
                 log.warning("checkpoint task %s failed: %s", task, future.error)
         if unsafe is not None:
+            self._keep_pool_forever()
             raise unsafe
         return results
+
+    def _keep_pool_forever(self) -> None:
+        """After ``UnsafeCopy``: the page pool must outlive any DMA into it."""
+        if not any(p is self._pool for p in _KEPT_UNTIL_EXIT):
+            _KEPT_UNTIL_EXIT.append(self._pool)
 
     def in_flight(self) -> int:
         """Tasks submitted whose result was not collected yet (rejected included)."""
@@ -232,7 +242,11 @@ class CheckpointWorker:
         may still be in flight or did not drain within ``timeout``."""
         with self._lock:
             self._closed = True
-        self._engine.close(timeout)
+        try:
+            self._engine.close(timeout)
+        except UnsafeCopy:
+            self._keep_pool_forever()
+            raise
 
     def __enter__(self) -> CheckpointWorker:
         return self

@@ -38,5 +38,6 @@ mod transfer_common;
 mod transfer_cuda;
 mod transfer_faults;
 mod transfer_remap;
+mod transfer_review;
 mod transfer_roundtrip;
 mod transfer_validation;

@@ -289,8 +289,7 @@ impl PyTransferEngine {
 
     /// The capabilities of the mapped pool (None before the first mapping).
     fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.engine
-            .capabilities()
+        py.detach(|| self.engine.capabilities())
             .map(|c| capabilities_dict(py, c))
             .transpose()
     }
@@ -323,6 +322,9 @@ impl PyTransferEngine {
     /// ("delay"). "clear" drops queued faults.
     #[pyo3(signature = (kind, count = 1, delay = 0.0))]
     fn _inject_fault(&self, kind: &str, count: usize, delay: f64) -> PyResult<()> {
+        if count > 1_000_000 {
+            return Err(invalid("count must be at most 1000000"));
+        }
         let fault = match kind {
             "fail" => Fault::Fail,
             "unsafe" => Fault::InFlight,
@@ -356,6 +358,22 @@ impl PyTransferEngine {
                 "False"
             }
         )
+    }
+}
+
+impl Drop for PyTransferEngine {
+    /// Dropping the last reference drains admitted jobs with the GIL
+    /// released (other Python threads keep running); if a copy may still be
+    /// in flight the page-pool reference is leaked, as `close()` does.
+    fn drop(&mut self) {
+        let engine = &self.engine;
+        let closed = Python::attach(|py| py.detach(|| engine.close(None)));
+        if let Err(e) = closed {
+            log::error!("dropping a transfer engine: {e}");
+            if let Some(pool) = self.pool.take() {
+                std::mem::forget(pool);
+            }
+        }
     }
 }
 

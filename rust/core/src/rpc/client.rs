@@ -335,14 +335,27 @@ impl Client {
             s.set_write_timeout(Some(self.config.timeout.max(Duration::from_millis(1))))
         };
         setup(&stream).map_err(|e| self.unavailable("cannot configure a socket to", e))?;
-        send_all(
+        let greeted = send_all(
             &stream,
             &wire::encode_hello(wire::MIN_PROTOCOL_VERSION, wire::PROTOCOL_VERSION),
-        )
-        .map_err(|e| self.unavailable("cannot greet", e))?;
+        );
         let mut buf = Vec::new();
         let mut reader = &stream;
-        match wire::read_frame(&mut reader, 8 + 4096, &mut buf) {
+        let answer = wire::read_frame(&mut reader, 8 + 4096, &mut buf);
+        if let Err(e) = greeted {
+            // The server may have refused (and closed) before reading the
+            // hello: its reason, if it arrived, says more than the reset.
+            if answer.is_ok() {
+                if let Ok((0, message)) = wire::decode_welcome(&buf) {
+                    return Err(Error::Protocol(format!(
+                        "the lmcache-rc server at {} refused the connection: {message}",
+                        self.path.display()
+                    )));
+                }
+            }
+            return Err(self.unavailable("cannot greet", e));
+        }
+        match answer {
             Ok(()) => {}
             Err(FrameError::Io(e))
                 if matches!(

@@ -627,6 +627,14 @@ fn admit(shared: &Arc<Shared>, stream: UnixStream) {
 fn refuse(stream: UnixStream, message: &str) {
     let _ = stream.set_write_timeout(Some(Duration::from_millis(200)));
     let _ = send_all(&stream, &wire::encode_welcome(0, message));
+    // Read the client's hello before closing: closing a Unix socket with
+    // unread data resets the connection, and the client could then see a
+    // reset instead of the reason.
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+    let mut buf = Vec::new();
+    let mut reader = &stream;
+    let _ = wire::read_frame(&mut reader, 4096, &mut buf);
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// Writes all of `frame` (no SIGPIPE; honours the socket's write timeout).

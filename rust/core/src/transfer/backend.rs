@@ -243,6 +243,45 @@ pub fn contiguous_runs(plan: &CopyPlan) -> Vec<CopyRun> {
     runs
 }
 
+/// Re-checks that every run of `plan` lies inside the page pool and the
+/// mapping. Plans are public values, so a backend never trusts that one came
+/// from [`crate::transfer::plan::plan_copy`]: a bad one is a recoverable error,
+/// never an out-of-bounds copy.
+pub fn check_runs(
+    plan: &CopyPlan,
+    runs: &[CopyRun],
+    shape: PoolShape,
+    pool: &ShmPool,
+) -> std::result::Result<(), CopyFailure> {
+    let refuse = |why: String| Err(CopyFailure::Recoverable(Error::invalid(why)));
+    if plan.page_bytes != shape.page_bytes {
+        return refuse(format!(
+            "a copy plan of {}-byte pages does not fit a pool of {}-byte rows",
+            plan.page_bytes, shape.page_bytes
+        ));
+    }
+    for run in runs {
+        let rows_end = run.block.checked_add(run.pages);
+        let len = run.pages.checked_mul(plan.page_bytes);
+        let slots_end = len.and_then(|len| run.shm_offset.checked_add(len));
+        if run.block == 0
+            || rows_end.is_none_or(|end| end > shape.num_blocks)
+            || slots_end.is_none_or(|end| end > pool.size())
+        {
+            return refuse(format!(
+                "a copy plan names rows {}..+{} or slot bytes at {} outside the page pool \
+                 ({} rows) or the shared memory ({} bytes)",
+                run.block,
+                run.pages,
+                run.shm_offset,
+                shape.num_blocks,
+                pool.size()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Refuses an empty or overflowing pool shape.
 pub fn check_shape(shape: PoolShape) -> Result<()> {
     if shape.num_blocks < 2 || shape.page_bytes == 0 {
@@ -285,15 +324,16 @@ impl CopyBackend for CpuBackend {
         _producer_event: Option<u64>,
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
+        let runs = contiguous_runs(plan);
+        check_runs(plan, &runs, self.shape, pool)?;
         let shm = pool.as_ptr();
-        for run in contiguous_runs(plan) {
+        for run in runs {
             let row = (run.block * self.shape.page_bytes) as usize;
             let slot = run.shm_offset as usize;
             let len = (run.pages * plan.page_bytes) as usize;
-            // SAFETY: every page of the run passed `plan_copy`/`check_job`:
-            // `0 < block < num_blocks`, `page_bytes == shape.page_bytes` and
-            // `shm_offset + page_bytes <= pool.size()`; a run only joins pages
-            // whose rows and slots are both adjacent, so the whole range lies
+            // SAFETY: `check_runs` proved `0 < block`, `block + pages <=
+            // num_blocks`, `page_bytes == shape.page_bytes` and `shm_offset +
+            // pages * page_bytes <= pool.size()`, so the whole range lies
             // inside the live page pool (kept alive per `new`'s contract) and
             // the mapping (kept alive by `pool`). The page pool is private
             // memory and the SHM a separate mapping, so they cannot overlap.

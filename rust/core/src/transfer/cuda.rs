@@ -22,7 +22,8 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 
 use super::backend::{
-    CopyBackend, CopyFailure, FaultQueue, Registration, check_shape, contiguous_runs,
+    CopyBackend, CopyFailure, CopyRun, FaultQueue, Registration, check_runs, check_shape,
+    contiguous_runs,
 };
 use super::plan::{CopyPlan, Direction, PoolShape};
 use crate::error::{Error, Result};
@@ -121,10 +122,10 @@ struct HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        // SAFETY: `ptr` was registered in `ctx` by `CudaBackend::register`
-        // and the mapping it belongs to is still alive (the registration is
-        // dropped before the pool in `Mapped`'s field order... or the pool is
-        // leaked when a copy may be in flight).
+        // SAFETY: `ptr` was registered in `ctx` by `CudaBackend::register`;
+        // the mapping is still alive (`Mapped` declares the registration
+        // before the pool, so it is dropped first) and so is the context
+        // (`Inner` drops its mapping before its backend).
         unsafe {
             let _ = sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
             let status = sys::cuMemHostUnregister(self.ptr as *mut c_void);
@@ -220,13 +221,19 @@ impl CudaBackend {
         &self.faults
     }
 
-    fn enqueue(&self, plan: &CopyPlan, pool: &ShmPool, event: Option<u64>) -> Result<usize> {
+    fn enqueue(
+        &self,
+        plan: &CopyPlan,
+        runs: &[CopyRun],
+        pool: &ShmPool,
+        event: Option<u64>,
+    ) -> Result<usize> {
         let shm = pool.as_ptr();
         let width = plan.page_bytes as usize;
         let mut enqueued = 0;
         // SAFETY: the context is this backend's; the event handle comes from
-        // the worker (a live CUevent per the job's contract); the plan was
-        // validated, so every device row and SHM slot lies inside its pool,
+        // the worker (a live CUevent per the job's contract); `check_runs`
+        // proved every run's device rows and SHM slots lie inside their pools,
         // and the SHM mapping outlives the copy (synchronised below, or
         // leaked by the engine when synchronisation fails).
         unsafe {
@@ -237,7 +244,7 @@ impl CudaBackend {
                     "waiting on the producer event",
                 )?;
             }
-            for run in contiguous_runs(plan) {
+            for run in runs {
                 let row = self.base + run.block * self.shape.page_bytes;
                 let slot = shm.add(run.shm_offset as usize);
                 let len = run.pages as usize * width;
@@ -309,8 +316,10 @@ impl CopyBackend for CudaBackend {
         producer_event: Option<u64>,
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
+        let runs = contiguous_runs(plan);
+        check_runs(plan, &runs, self.shape, pool)?;
         let _burst = self.burst.lock();
-        let enqueued = self.enqueue(plan, pool, producer_event);
+        let enqueued = self.enqueue(plan, &runs, pool, producer_event);
         // Always drain, even when enqueueing failed half-way (step 9).
         // SAFETY: the stream is this backend's.
         let synced = unsafe { sys::cuStreamSynchronize(self.stream) };

@@ -58,8 +58,10 @@ impl EngineConfig {
                 self.max_pending, self.workers
             )));
         }
-        if self.rpc_timeout.is_zero() {
-            return Err(Error::invalid("rpc_timeout must be positive"));
+        if self.rpc_timeout.is_zero() || self.rpc_timeout > Duration::from_secs(86_400) {
+            return Err(Error::invalid(
+                "rpc_timeout must be positive and at most one day",
+            ));
         }
         Ok(())
     }
@@ -77,6 +79,8 @@ pub struct Job {
     /// Page-pool rows per manifest page group (auxiliary group last).
     pub block_ids: Vec<Vec<u64>>,
     /// A backend event (CUDA: a `CUevent` handle) the copy must wait for.
+    /// The caller guarantees it is a live event of the backend's context
+    /// until the job ends (the driver cannot validate a raw handle).
     pub producer_event: Option<u64>,
 }
 
@@ -163,10 +167,13 @@ impl JobHandle {
 }
 
 /// A mapped pool with what the sidecar said about it.
+///
+/// Field order is drop order: the registration (CUDA: page-locking) is
+/// released while the pool is still mapped.
 struct Mapped {
+    _registration: Option<Registration>,
     pool: ShmPool,
     caps: Capabilities,
-    _registration: Option<Registration>,
 }
 
 /// A job whose lease is granted and whose plan passed validation.
@@ -191,7 +198,12 @@ struct Queue {
     closing: bool,
 }
 
+/// Field order is drop order: the mapping (and its registration) goes
+/// before the backend whose context the registration belongs to.
 struct Inner {
+    mapping: Mutex<Option<Arc<Mapped>>>,
+    /// Serialises (re)mapping, so `mapping` is only held to read or swap.
+    remapping: Mutex<()>,
     api: Box<dyn LeaseApi>,
     backend: Arc<dyn CopyBackend>,
     config: EngineConfig,
@@ -200,7 +212,6 @@ struct Inner {
     changed: Condvar,
     unsafe_reason: Mutex<Option<String>>,
     is_unsafe: AtomicBool,
-    mapping: Mutex<Option<Arc<Mapped>>>,
     remaps: Mutex<u64>,
 }
 
@@ -246,6 +257,7 @@ impl TransferEngine {
             unsafe_reason: Mutex::new(None),
             is_unsafe: AtomicBool::new(false),
             mapping: Mutex::new(None),
+            remapping: Mutex::new(()),
             remaps: Mutex::new(0),
             config,
         });
@@ -557,29 +569,39 @@ impl Inner {
     /// The current mapping; maps (again) when there is none or the sidecar
     /// recreated its pool since.
     fn mapped(&self) -> Result<Arc<Mapped>> {
-        let mut slot = self.mapping.lock();
-        if let Some(m) = slot.as_ref() {
-            if m.pool.is_current() {
-                return Ok(m.clone());
-            }
+        if let Some(m) = self.current_mapping() {
+            return Ok(m);
+        }
+        let _remapping = self.remapping.lock();
+        if let Some(m) = self.current_mapping() {
+            return Ok(m); // another thread mapped it meanwhile
+        }
+        if let Some(stale) = self.mapping.lock().take() {
             log::info!(
                 "shared-memory pool {} was replaced (sidecar restarted): mapping it again",
-                m.pool.name()
+                stale.pool.name()
             );
-            *slot = None;
         }
+        // The RPC, the populated open and the registration run without the
+        // `mapping` lock, so `capabilities()` never waits for them.
         let caps = self.api.capabilities()?;
         let pool = ShmPool::open_populated(&caps.shm_name, caps.pool_size)?;
         plan::check_pool(&caps, &pool)?;
         let registration = self.backend.register(&pool)?;
         let m = Arc::new(Mapped {
+            _registration: registration,
             pool,
             caps,
-            _registration: registration,
         });
-        *slot = Some(m.clone());
+        *self.mapping.lock() = Some(m.clone());
         *self.remaps.lock() += 1;
         Ok(m)
+    }
+
+    /// The mapping if it is still the sidecar's current pool.
+    fn current_mapping(&self) -> Option<Arc<Mapped>> {
+        let m = self.mapping.lock().clone()?;
+        m.pool.is_current().then_some(m)
     }
 
     fn forget_mapping(&self, stale: &Arc<Mapped>) {
@@ -625,6 +647,14 @@ impl Inner {
             // A late finish/cancel reply: the operation completed.
             return Rpc::Ok(late);
         };
+        if let (LeaseStatus::Pending, Some(id)) = (lease.status, &lease.lease_id) {
+            // A pending lookup exposed no bytes: cancelling it is never fatal.
+            self.cancel(id);
+            return Rpc::Drained(format!(
+                "{name} answered only after {:.1} s; its pending lookup was cancelled",
+                self.config.rpc_timeout.as_secs_f64()
+            ));
+        }
         let discard = match (call, lease.status, &lease.lease_id) {
             (LeaseCall::PrepareStore { .. }, LeaseStatus::Ready, Some(id)) => {
                 Some(LeaseCall::FinishStore {
@@ -633,9 +663,6 @@ impl Inner {
                 })
             }
             (_, LeaseStatus::Ready, Some(id)) => Some(LeaseCall::FinishRetrieve {
-                lease_id: id.clone(),
-            }),
-            (_, LeaseStatus::Pending, Some(id)) => Some(LeaseCall::CancelRetrieve {
                 lease_id: id.clone(),
             }),
             _ => None,

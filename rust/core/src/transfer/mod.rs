@@ -43,7 +43,8 @@ pub mod plan;
 mod sidecar;
 
 pub use backend::{
-    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, contiguous_runs,
+    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, check_runs,
+    contiguous_runs,
 };
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, Outcome, TransferEngine};
 pub use plan::{CopyPlan, Direction, PageCopy, PoolShape};

@@ -1,0 +1,338 @@
+//! Transfer-engine rules found by review: a mapping's CUDA registration is
+//! released while the mapping and its backend still live, a backend refuses a
+//! plan outside its pools, a late pending poll whose cancel fails is never
+//! fatal, and `capabilities()` never waits for a remap in progress.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease, LeaseStatus};
+use lmcache_rc_core::store::shm::ShmPool;
+use lmcache_rc_core::transfer::{
+    CopyBackend, CopyFailure, CopyPlan, CpuBackend, Direction, LeaseAnswer, LeaseApi, LeaseCall,
+    PageCopy, PoolShape, Registration, ReplyHandle, TransferEngine,
+};
+use lmcache_rc_core::{Error, Result};
+
+use crate::service_common::store_all;
+use crate::transfer_common::*;
+
+// ---------------------------------------------------------------------------
+// Helpers
+
+/// Whether `addr` lies inside a mapping of this process (/proc/self/maps).
+fn is_mapped(addr: usize) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().any(|line| {
+        let range = line.split_whitespace().next().unwrap();
+        let (a, b) = range.split_once('-').unwrap();
+        let a = usize::from_str_radix(a, 16).unwrap();
+        let b = usize::from_str_radix(b, 16).unwrap();
+        a <= addr && addr < b
+    })
+}
+
+/// A registration that records, when dropped, whether the mapping it was
+/// made for is still mapped (what `cuMemHostUnregister` needs).
+struct Probe {
+    ptr: usize,
+    seen: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.seen.lock().push(is_mapped(self.ptr));
+    }
+}
+
+/// A cpu backend whose `register` hands out [`Probe`]s, like the cuda
+/// backend hands out host registrations.
+struct Registering {
+    cpu: Arc<CpuBackend>,
+    seen: Arc<Mutex<Vec<bool>>>,
+}
+
+/// A registration that records, when dropped, whether its backend (whose
+/// context it needs, like `HostRegistration` needs the CUDA context that the
+/// backend retains) is still alive.
+struct NeedsBackend {
+    alive: Arc<AtomicBool>,
+    seen: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Drop for NeedsBackend {
+    fn drop(&mut self) {
+        self.seen.lock().push(self.alive.load(Ordering::SeqCst));
+    }
+}
+
+/// A cpu backend that says when it was dropped.
+struct Contextual {
+    cpu: Arc<CpuBackend>,
+    alive: Arc<AtomicBool>,
+    seen: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Drop for Contextual {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::SeqCst);
+    }
+}
+
+impl CopyBackend for Contextual {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn shape(&self) -> PoolShape {
+        self.cpu.shape()
+    }
+    fn register(&self, _pool: &ShmPool) -> Result<Option<Registration>> {
+        Ok(Some(Box::new(NeedsBackend {
+            alive: self.alive.clone(),
+            seen: self.seen.clone(),
+        })))
+    }
+    fn accepts_events(&self) -> bool {
+        false
+    }
+    fn copy(
+        &self,
+        plan: &CopyPlan,
+        pool: &ShmPool,
+        event: Option<u64>,
+    ) -> std::result::Result<(), CopyFailure> {
+        self.cpu.copy(plan, pool, event)
+    }
+}
+
+impl CopyBackend for Registering {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn shape(&self) -> PoolShape {
+        self.cpu.shape()
+    }
+    fn register(&self, pool: &ShmPool) -> Result<Option<Registration>> {
+        Ok(Some(Box::new(Probe {
+            ptr: pool.as_ptr() as usize,
+            seen: self.seen.clone(),
+        })))
+    }
+    fn accepts_events(&self) -> bool {
+        false
+    }
+    fn copy(
+        &self,
+        plan: &CopyPlan,
+        pool: &ShmPool,
+        event: Option<u64>,
+    ) -> std::result::Result<(), CopyFailure> {
+        self.cpu.copy(plan, pool, event)
+    }
+}
+
+/// A reply that times out `delays` times, then gives `answer`.
+struct After {
+    answer: Result<LeaseAnswer>,
+    delays: AtomicU32,
+}
+
+impl ReplyHandle for After {
+    fn wait(&self, timeout: Duration) -> Result<LeaseAnswer> {
+        if self
+            .delays
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| d.checked_sub(1))
+            .is_ok()
+        {
+            std::thread::sleep(timeout);
+            return Err(Error::Timeout("review: no reply yet".into()));
+        }
+        match &self.answer {
+            Ok(a) => Ok(a.clone()),
+            Err(e) => Err(error_of(e.kind(), &e.to_string())),
+        }
+    }
+}
+
+fn after(answer: Result<LeaseAnswer>, delays: u32) -> Box<dyn ReplyHandle> {
+    Box::new(After {
+        answer,
+        delays: AtomicU32::new(delays),
+    })
+}
+
+fn pending(id: &str) -> LeaseAnswer {
+    LeaseAnswer::Lease(Lease {
+        status: LeaseStatus::Pending,
+        lease_id: Some(id.to_string()),
+        slots: Vec::new(),
+        reason: None,
+    })
+}
+
+/// A retrieve whose lookup stays pending: begin answers pending at once,
+/// poll answers pending only after one timed-out wait, cancel fails.
+struct LatePendingPoll {
+    svc: Arc<CheckpointService>,
+}
+
+impl LeaseApi for LatePendingPoll {
+    fn capabilities(&self) -> Result<Capabilities> {
+        Ok(CheckpointService::capabilities(&self.svc))
+    }
+    fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
+        match call {
+            LeaseCall::BeginRetrieve { .. } => after(Ok(pending("lookup")), 0),
+            LeaseCall::PollRetrieve { lease_id } => after(Ok(pending(&lease_id)), 1),
+            LeaseCall::CancelRetrieve { .. } => after(
+                Err(Error::Unavailable("review: the cancel was lost".into())),
+                0,
+            ),
+            other => self.svc.call(other),
+        }
+    }
+}
+
+/// Forwards to a service; `capabilities` is slow while `slow` is set.
+struct SlowCaps {
+    svc: Arc<CheckpointService>,
+    slow: AtomicBool,
+}
+
+impl LeaseApi for SlowCaps {
+    fn capabilities(&self) -> Result<Capabilities> {
+        if self.slow.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        Ok(CheckpointService::capabilities(&self.svc))
+    }
+    fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
+        self.svc.call(call)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Findings
+
+#[test]
+fn a_mapping_registration_is_released_while_the_mapping_is_still_mapped() {
+    let svc = service("rev-reg-order");
+    let pool = HostPool::new(SHAPE);
+    // SAFETY: the pool outlives the engine (dropped at the end of the test,
+    // after the engine, which is dropped explicitly below).
+    let cpu = Arc::new(unsafe { CpuBackend::new(pool.base(), SHAPE) }.unwrap());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let backend = Arc::new(Registering {
+        cpu,
+        seen: seen.clone(),
+    });
+    let engine =
+        TransferEngine::start(Box::new(svc.clone()), backend, engine_config(SLOW)).unwrap();
+    // Forgetting the mapping drops it (nothing else holds it).
+    engine.drop_mapping();
+    drop(engine);
+    assert_eq!(
+        *seen.lock(),
+        vec![true],
+        "the registration was dropped after its mapping was unmapped"
+    );
+}
+
+#[test]
+fn a_late_pending_poll_whose_cancel_fails_is_never_fatal() {
+    let svc = service("rev-late-pending");
+    let m = tgen(31_000, 40, 1);
+    store_all(&svc, &m);
+    let api = LatePendingPoll { svc: svc.clone() };
+    let worker = Worker::start(Box::new(api), SHAPE, engine_config(FAST)).unwrap();
+    let d = worker.retrieve(&m, 0, 1);
+    assert_ne!(d.kind, "unsafe", "{d:?}");
+    assert!(
+        !worker.engine.is_unsafe(),
+        "a pending lookup exposed no bytes, yet the engine turned unsafe: {:?}",
+        worker.engine.unsafe_reason()
+    );
+}
+
+#[test]
+fn capabilities_does_not_wait_for_a_remap_in_progress() {
+    let svc = service("rev-caps-lock");
+    let api = Arc::new(SlowCaps {
+        svc: svc.clone(),
+        slow: AtomicBool::new(false),
+    });
+    let worker = Worker::start(Box::new(api.clone()), SHAPE, engine_config(SLOW)).unwrap();
+    let m = tgen(32_000, 40, 1);
+    begin(&svc, &m);
+    api.slow.store(true, Ordering::SeqCst);
+    worker.engine.drop_mapping();
+    let h = worker.submit(job(&m, 0, Direction::Store, &blocks(&m, 1)));
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    let _ = worker.engine.capabilities();
+    let took = t.elapsed();
+    api.slow.store(false, Ordering::SeqCst);
+    done(&h);
+    assert!(
+        took < Duration::from_millis(500),
+        "capabilities() waited {took:?} for a remap's RPC"
+    );
+}
+
+#[test]
+fn a_mapping_registration_is_released_while_its_backend_lives() {
+    let svc = service("rev-reg-backend");
+    let pool = HostPool::new(SHAPE);
+    // SAFETY: the pool outlives the engine (dropped explicitly below).
+    let cpu = Arc::new(unsafe { CpuBackend::new(pool.base(), SHAPE) }.unwrap());
+    let alive = Arc::new(AtomicBool::new(true));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let backend = Arc::new(Contextual {
+        cpu,
+        alive,
+        seen: seen.clone(),
+    });
+    let engine =
+        TransferEngine::start(Box::new(svc.clone()), backend, engine_config(SLOW)).unwrap();
+    drop(engine);
+    assert_eq!(
+        *seen.lock(),
+        vec![true],
+        "the registration was dropped after the backend it belongs to"
+    );
+}
+
+#[test]
+fn a_backend_refuses_a_plan_outside_its_page_pool() {
+    let svc = service("rev-plan-bounds");
+    // The allocation is twice the shape the backend is bound to, so the
+    // out-of-shape write below stays inside memory the test owns.
+    let big = PoolShape {
+        num_blocks: SHAPE.num_blocks * 2,
+        page_bytes: PAGE,
+    };
+    let pool = HostPool::new(big);
+    // SAFETY: `pool` holds at least `SHAPE` rows and outlives the backend.
+    let backend = unsafe { CpuBackend::new(pool.base(), SHAPE) }.unwrap();
+    svc.pool().write_at(0, &[0xEE; PAGE as usize]).unwrap();
+    let row = SHAPE.num_blocks + 3; // outside the backend's rows
+    let plan = CopyPlan {
+        direction: Direction::Retrieve,
+        page_bytes: PAGE,
+        pages: vec![PageCopy {
+            block: row,
+            shm_offset: 0,
+        }],
+        skipped: 0,
+    };
+    let result = backend.copy(&plan, svc.pool(), None);
+    assert!(
+        pool.row(row).iter().all(|&b| b == 0),
+        "row {row}, outside the backend's {} rows, was written",
+        SHAPE.num_blocks
+    );
+    assert!(result.is_err(), "an out-of-bounds plan was accepted");
+}
