@@ -86,6 +86,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "max_tasks": 64,
     "task_timeout": 300.0,
     "layout_timeout": 300.0,
+    "close_timeout": 180.0,
 }
 """Every option (without the ``lmcache_rc.`` prefix) and its default."""
 
@@ -140,6 +141,9 @@ class ConnectorOptions:
     """0 disables the restore task timeout."""
     layout_timeout: float = 300.0
     """0 waits for the worker layouts forever."""
+    close_timeout: float = 180.0
+    """How long a worker's shutdown waits for its copies to drain before it
+    raises ``UnsafeCopy`` (the process must then exit); 0 waits forever."""
 
 
 def _bad(name: str, why: str) -> InvalidConnectorConfig:
@@ -248,6 +252,7 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
         max_tasks=_integer("max_tasks", get("max_tasks"), 1, 65536),
         task_timeout=_number("task_timeout", get("task_timeout"), zero_ok=True),
         layout_timeout=_number("layout_timeout", get("layout_timeout"), zero_ok=True),
+        close_timeout=_number("close_timeout", get("close_timeout"), zero_ok=True),
     )
     if opts.max_pending < opts.copy_workers:
         raise _bad(
@@ -315,7 +320,7 @@ class _CopyWorker(Protocol):
 
     def in_flight(self) -> int: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout: float | None = None) -> None: ...
 
 
 def _default_worker_factory(socket_path: str, **kwargs: Any) -> _CopyWorker:
@@ -758,5 +763,5 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             client.close()
         if self._worker is not None:
             worker = self._worker
-            worker.close()
+            worker.close(timeout=self._options.close_timeout or None)
             self._events.clear()

@@ -102,7 +102,8 @@ class FakeWorker:
     def wait_idle(self, timeout: float | None = None) -> bool:
         return not self.running
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        self.close_timeout = timeout
         if self.is_unsafe:
             raise errors.UnsafeCopy("cannot prove copies stopped")
         self.closed = True
@@ -305,6 +306,15 @@ def test_shutdown_drains_the_worker() -> None:
     worker = fake(connector)
     connector.shutdown()
     assert worker.closed
+    assert worker.close_timeout == 180.0  # bounded by lmcache_rc.close_timeout
+
+
+def test_close_timeout_zero_waits_for_copies_forever() -> None:
+    connector = worker_connector(close_timeout=0)
+    connector.bind_boundary_checkpoint_state(State())
+    worker = fake(connector)
+    connector.shutdown()
+    assert worker.closed and worker.close_timeout is None
 
 
 def test_scheduler_role_ignores_worker_hooks() -> None:

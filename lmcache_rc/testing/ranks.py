@@ -201,10 +201,10 @@ class FaultyCopyWorker:
         """In-flight copies, wedged tasks included."""
         return int(self.inner.in_flight()) + self.held()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Release wedged tasks, then drain and close the inner worker."""
         self.release_held()
-        self.inner.close()
+        self.inner.close(timeout)
 
 
 class SimBoundaryCheckpointState:
