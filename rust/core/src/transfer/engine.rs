@@ -704,10 +704,10 @@ impl Inner {
     fn finish(&self, call: LeaseCall) -> std::result::Result<(), Outcome> {
         match self.rpc(call) {
             Rpc::Ok(_) | Rpc::Drained(_) => Ok(()),
-            Rpc::Err(e) if e.kind() == ErrorKind::Unavailable => {
-                // The sidecar is gone, and its leases with it.
-                Err(Outcome::Failed(e))
-            }
+            // The copy has drained, so nothing is in flight; a finish that
+            // failed (e.g. the connection was lost) is never sent twice
+            // (spec §7.3). If the sidecar lives on, the lease stays with it
+            // until it restarts.
             Rpc::Err(e) => Err(Outcome::Failed(e)),
             Rpc::Unresolved(r) => {
                 Err(self.turn_unsafe(format!("completion ownership could not drain: {r}")))
