@@ -13,7 +13,7 @@ use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease, LeaseStat
 use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::transfer::{
     CopyBackend, CopyFailure, CopyPlan, CpuBackend, Direction, LeaseAnswer, LeaseApi, LeaseCall,
-    PageCopy, PoolShape, Registration, ReplyHandle, TransferEngine,
+    PageCopy, PageLayout, PoolShape, Registration, ReplyHandle, TransferEngine,
 };
 use lmcache_rc_core::{Error, Result};
 
@@ -86,8 +86,8 @@ impl CopyBackend for Contextual {
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn shape(&self) -> PoolShape {
-        self.cpu.shape()
+    fn layout(&self) -> &PageLayout {
+        self.cpu.layout()
     }
     fn register(&self, _pool: &ShmPool) -> Result<Option<Registration>> {
         Ok(Some(Box::new(NeedsBackend {
@@ -112,8 +112,8 @@ impl CopyBackend for Registering {
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn shape(&self) -> PoolShape {
-        self.cpu.shape()
+    fn layout(&self) -> &PageLayout {
+        self.cpu.layout()
     }
     fn register(&self, pool: &ShmPool) -> Result<Option<Registration>> {
         Ok(Some(Box::new(Probe {
@@ -321,10 +321,11 @@ fn a_backend_refuses_a_plan_outside_its_page_pool() {
     let row = SHAPE.num_blocks + 3; // outside the backend's rows
     let plan = CopyPlan {
         direction: Direction::Retrieve,
-        page_bytes: PAGE,
         pages: vec![PageCopy {
+            group: 0,
             block: row,
             shm_offset: 0,
+            page_bytes: PAGE,
         }],
         skipped: 0,
     };

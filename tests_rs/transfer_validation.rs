@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus};
 use lmcache_rc_core::store::shm::ShmPool;
-use lmcache_rc_core::transfer::{Direction, EngineConfig, plan};
+use lmcache_rc_core::transfer::{Direction, EngineConfig, PageLayout, plan};
 use lmcache_rc_core::{ErrorKind, Manifest};
 
 use crate::service_common::{HANG_GUARD, assert_idle, is_listed, store_all};
@@ -238,8 +238,10 @@ fn a_lease_is_checked_against_the_pool_the_capabilities_name() {
     let pool = ShmPool::open(&caps.shm_name, caps.pool_size).unwrap();
     let schema = m.payload_schema().unwrap();
     let b = blocks(&m, 1);
+    let layout = PageLayout::pool(SHAPE).unwrap();
+    let groups = plan::check_job(&schema, &b, &layout).unwrap();
     let plan_with = |caps: &lmcache_rc_core::service::Capabilities| {
-        plan::plan_copy(Direction::Store, &schema, &b, &lease, caps, &pool)
+        plan::plan_copy(Direction::Store, &schema, &b, &groups, &lease, caps, &pool)
     };
     let ok = plan_with(&caps).unwrap();
     assert_eq!(ok.pages.len(), PAGES as usize);
@@ -541,13 +543,14 @@ fn check_job_accepts_exactly_the_valid_jobs() {
     // The pure check, straight: valid ids pass; the last valid row passes.
     let m = tgen(9_500, 40, 1);
     let schema = m.payload_schema().unwrap();
+    let layout = PageLayout::pool(SHAPE).unwrap();
     let mut b = blocks(&m, 1);
-    plan::check_job(&schema, &b, SHAPE).unwrap();
+    plan::check_job(&schema, &b, &layout).unwrap();
     b[2][0] = SHAPE.num_blocks - 1;
-    plan::check_job(&schema, &b, SHAPE).unwrap();
+    plan::check_job(&schema, &b, &layout).unwrap();
     b[2][0] = SHAPE.num_blocks;
     assert_eq!(
-        plan::check_job(&schema, &b, SHAPE).unwrap_err().kind(),
+        plan::check_job(&schema, &b, &layout).unwrap_err().kind(),
         ErrorKind::InvalidInput
     );
 }

@@ -26,7 +26,7 @@ pub mod transfer;
 
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{Prefix, TokenRoots, checkpoint_generation, checkpoint_namespace};
-pub use manifest::{Manifest, PageGroup, PayloadSchema};
+pub use manifest::{CheckpointPayload, Manifest, PageGroup, PayloadSchema};
 
 /// Version of this crate (the package version).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

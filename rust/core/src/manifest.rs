@@ -5,13 +5,17 @@
 //! validates the envelope (generation id, world size, payload size, schema
 //! version) — exactly what the directory needs. [`PayloadSchema::parse`]
 //! validates the page groups, which the payload store needs before it lends
-//! a single byte.
+//! a single byte. [`CheckpointPayload`] is the typed schema-2 payload the
+//! scheduler writes and the workers check: built as canonical JSON
+//! (byte-identical to CPython's `json.dumps(..., sort_keys=True,
+//! separators=(",", ":"))`) and parsed with every rule in one place.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::identity::Prefix;
+use crate::json;
 
 /// Generation ids have 1..=128 characters.
 pub const MAX_GENERATION_CHARS: usize = 128;
@@ -91,25 +95,15 @@ impl Manifest {
     pub fn payload_schema(&self) -> Result<PayloadSchema> {
         PayloadSchema::parse(&self.payload)
     }
+    /// Parses the payload as a schema-2 [`CheckpointPayload`].
+    pub fn checkpoint_payload(&self) -> Result<CheckpointPayload> {
+        CheckpointPayload::parse(&self.payload)
+    }
 }
 
 /// Checks the payload envelope and returns its schema version (1 or 2).
 fn schema_version(payload: &[u8]) -> Result<u8> {
-    if payload.is_empty() || payload.len() > MAX_PAYLOAD_BYTES {
-        return Err(Error::invalid(
-            "checkpoint manifest must contain at most 16 MiB (and at least one byte)",
-        ));
-    }
-    let unsupported = || {
-        Error::invalid(
-            "unsupported checkpoint manifest schema (the payload must be a JSON object \
-             with schema_version 1 or 2)",
-        )
-    };
-    // serde would also map a JSON array onto the struct: require an object.
-    if payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(unsupported());
-    }
+    check_envelope(payload)?;
     let version: VersionProbe = serde_json::from_slice(payload).map_err(|e| {
         Error::invalid(format!(
             "checkpoint manifest payload is not valid JSON: {e}"
@@ -118,8 +112,29 @@ fn schema_version(payload: &[u8]) -> Result<u8> {
     match version.schema_version {
         Some(VersionValue::Int(1)) => Ok(1),
         Some(VersionValue::Int(2)) => Ok(2),
-        _ => Err(unsupported()),
+        _ => Err(unsupported_schema()),
     }
+}
+
+/// Size bounds, and a JSON object (serde would also map a JSON array onto
+/// a struct: require `{`).
+fn check_envelope(payload: &[u8]) -> Result<()> {
+    if payload.is_empty() || payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(Error::invalid(
+            "checkpoint manifest must contain at most 16 MiB (and at least one byte)",
+        ));
+    }
+    if payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(unsupported_schema());
+    }
+    Ok(())
+}
+
+fn unsupported_schema() -> Error {
+    Error::invalid(
+        "unsupported checkpoint manifest schema (the payload must be a JSON object \
+         with schema_version 1 or 2)",
+    )
 }
 
 /// `{"schema_version": ...}` with every other field skipped.
@@ -162,37 +177,8 @@ pub struct PayloadSchema {
 impl PayloadSchema {
     /// Parses a payload and validates every group (`spec/storage-and-transfer.md` §1.3).
     pub fn parse(payload: &[u8]) -> Result<PayloadSchema> {
-        let schema_version = schema_version(payload)?;
-        let value: serde_json::Value = serde_json::from_slice(payload)
-            .map_err(|e| Error::invalid(format!("{MSG_GROUP}: {e}")))?;
-        let groups = value
-            .get("page_groups")
-            .and_then(serde_json::Value::as_array)
-            .ok_or_else(|| Error::invalid(format!("{MSG_GROUP}: page_groups must be a list")))?;
-        if groups.is_empty() || groups.len() > MAX_PAGE_GROUPS {
-            return Err(Error::invalid(format!(
-                "{MSG_GROUP}: page_groups must hold 1..{MAX_PAGE_GROUPS} groups, got {}",
-                groups.len()
-            )));
-        }
-        let mut names = HashSet::new();
-        let mut page_groups = Vec::with_capacity(groups.len());
-        for (index, group) in groups.iter().enumerate() {
-            let g = parse_group(index, group)?;
-            if !names.insert(g.name.clone()) {
-                return Err(Error::invalid(format!(
-                    "{MSG_GROUP}: duplicate group name {:?}",
-                    g.name
-                )));
-            }
-            if schema_version == 2 && g.content_keys.is_empty() {
-                return Err(Error::invalid(format!(
-                    "{MSG_GROUP}: schema 2 requires content_keys on group {:?}",
-                    g.name
-                )));
-            }
-            page_groups.push(g);
-        }
+        let (schema_version, document) = parse_document(payload)?;
+        let page_groups = parse_groups(schema_version, &document)?;
         Ok(PayloadSchema {
             schema_version,
             page_groups,
@@ -213,6 +199,393 @@ impl PayloadSchema {
     }
 }
 
+/// Most characters of a payload's `kind`.
+pub const MAX_KIND_CHARS: usize = 256;
+
+const MSG_PAYLOAD: &str = "invalid checkpoint payload";
+
+/// The top-level keys of a [`CheckpointPayload`], in canonical (sorted) order.
+const PAYLOAD_KEYS: [&str; 6] = [
+    "draft_prefix_len",
+    "kind",
+    "num_tokens",
+    "page_groups",
+    "schema_version",
+    "worker_layout",
+];
+/// The keys of one page group, in canonical (sorted) order.
+const GROUP_KEYS: [&str; 4] = ["content_keys", "name", "page_bytes", "positions"];
+
+/// The schema-2 checkpoint payload the scheduler writes into a manifest and
+/// every worker checks before it copies (`spec/storage-and-transfer.md`
+/// §1.3): one typed value, built and parsed here with every rule in one
+/// place.
+///
+/// [`CheckpointPayload::build`] writes canonical JSON byte-identical to
+/// CPython's `json.dumps(obj, sort_keys=True, separators=(",", ":"),
+/// allow_nan=False).encode()` of the same dict (keys sorted at every depth,
+/// no whitespace, ASCII escaping), so generation ids — hashes over these
+/// bytes — are the same whichever side builds a payload.
+/// [`CheckpointPayload::parse`] accepts exactly what `build` can write:
+/// schema 2, the known keys only, every group and field validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointPayload {
+    /// The address-free byte layout every rank's memory must match: a JSON
+    /// object of the identity domain (strings, booleans, null, integers
+    /// within `i64`, lists, objects; no floats, so no byte depends on float
+    /// formatting).
+    pub worker_layout: json::Value,
+    /// The page groups, in payload order (group index = object group id).
+    /// Schema 2: every group carries one content key per position.
+    pub page_groups: Vec<PageGroup>,
+    /// Boundary mode: the draft model's prefix length (with `kind`).
+    pub draft_prefix_len: Option<u64>,
+    /// Boundary mode: the checkpoint kind, e.g. `prompt` (with
+    /// `draft_prefix_len`).
+    pub kind: Option<String>,
+    /// Tokens this checkpoint covers, when the writer records it.
+    pub num_tokens: Option<u64>,
+}
+
+impl CheckpointPayload {
+    /// The schema version this type reads and writes.
+    pub const SCHEMA_VERSION: u8 = 2;
+
+    /// Checks every rule: the layout is an object; 1..=4096 groups with
+    /// unique names of 1..=256 characters, pages of 1 B..=1 GiB,
+    /// 1..=1 048 576 strictly increasing positions and one content key per
+    /// position; `kind` (1..=256 characters) and `draft_prefix_len` present
+    /// together or not at all; `num_tokens` positive and not below
+    /// `draft_prefix_len`.
+    pub fn validate(&self) -> Result<()> {
+        if !matches!(self.worker_layout, json::Value::Object(_)) {
+            return Err(Error::invalid(format!(
+                "{MSG_PAYLOAD}: worker_layout must be a JSON object"
+            )));
+        }
+        for (index, g) in self.page_groups.iter().enumerate() {
+            check_group_values(index, g)?;
+        }
+        check_groups(Self::SCHEMA_VERSION, &self.page_groups)?;
+        match (&self.kind, self.draft_prefix_len) {
+            (Some(kind), Some(_)) => {
+                let chars = kind.chars().count();
+                if chars == 0 || chars > MAX_KIND_CHARS {
+                    return Err(Error::invalid(format!(
+                        "{MSG_PAYLOAD}: kind must contain 1..={MAX_KIND_CHARS} characters"
+                    )));
+                }
+            }
+            (None, None) => {}
+            _ => {
+                return Err(Error::invalid(format!(
+                    "{MSG_PAYLOAD}: kind and draft_prefix_len come together (boundary mode) or \
+                     not at all"
+                )));
+            }
+        }
+        if let Some(n) = self.num_tokens {
+            if n == 0 {
+                return Err(Error::invalid(format!(
+                    "{MSG_PAYLOAD}: num_tokens must be positive"
+                )));
+            }
+            if self.draft_prefix_len.is_some_and(|d| d > n) {
+                return Err(Error::invalid(format!(
+                    "{MSG_PAYLOAD}: draft_prefix_len exceeds num_tokens ({n})"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates and writes the canonical payload bytes (see the type docs).
+    pub fn build(&self) -> Result<Vec<u8>> {
+        self.validate()?;
+        let mut out = String::with_capacity(self.estimated_len());
+        out.push('{');
+        let mut first = true;
+        if let Some(d) = self.draft_prefix_len {
+            push_key(&mut out, &mut first, PAYLOAD_KEYS[0]);
+            push_u64(&mut out, d);
+        }
+        if let Some(kind) = &self.kind {
+            push_key(&mut out, &mut first, PAYLOAD_KEYS[1]);
+            json::write_string(&mut out, kind, true);
+        }
+        if let Some(n) = self.num_tokens {
+            push_key(&mut out, &mut first, PAYLOAD_KEYS[2]);
+            push_u64(&mut out, n);
+        }
+        push_key(&mut out, &mut first, PAYLOAD_KEYS[3]);
+        out.push('[');
+        for (i, g) in self.page_groups.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let mut first_field = true;
+            out.push('{');
+            push_key(&mut out, &mut first_field, GROUP_KEYS[0]);
+            out.push('[');
+            for (k, key) in g.content_keys.iter().enumerate() {
+                if k > 0 {
+                    out.push(',');
+                }
+                out.push('"');
+                out.push_str(&hex::encode(key));
+                out.push('"');
+            }
+            out.push(']');
+            push_key(&mut out, &mut first_field, GROUP_KEYS[1]);
+            json::write_string(&mut out, &g.name, true);
+            push_key(&mut out, &mut first_field, GROUP_KEYS[2]);
+            push_u64(&mut out, g.page_bytes);
+            push_key(&mut out, &mut first_field, GROUP_KEYS[3]);
+            out.push('[');
+            for (k, &p) in g.positions.iter().enumerate() {
+                if k > 0 {
+                    out.push(',');
+                }
+                push_u64(&mut out, p);
+            }
+            out.push_str("]}");
+        }
+        out.push(']');
+        push_key(&mut out, &mut first, PAYLOAD_KEYS[4]);
+        push_u64(&mut out, u64::from(Self::SCHEMA_VERSION));
+        push_key(&mut out, &mut first, PAYLOAD_KEYS[5]);
+        out.push_str(&self.worker_layout.to_canonical_ascii());
+        out.push('}');
+        if out.len() > MAX_PAYLOAD_BYTES {
+            return Err(Error::invalid(format!(
+                "{MSG_PAYLOAD}: {} bytes, a manifest payload holds at most 16 MiB",
+                out.len()
+            )));
+        }
+        Ok(out.into_bytes())
+    }
+
+    /// Parses and validates payload bytes (one JSON parse). Refuses what
+    /// [`CheckpointPayload::build`] could not have written: another schema
+    /// version, unknown keys, a missing or non-object `worker_layout`, floats
+    /// or integers beyond `i64` in it, and every rule of
+    /// [`CheckpointPayload::validate`].
+    pub fn parse(payload: &[u8]) -> Result<CheckpointPayload> {
+        let (version, document) = parse_document(payload)?;
+        if version != Self::SCHEMA_VERSION {
+            return Err(Error::invalid(format!(
+                "{MSG_PAYLOAD}: schema_version {version}; this payload type reads schema 2"
+            )));
+        }
+        if let Some(key) = document
+            .keys()
+            .find(|k| !PAYLOAD_KEYS.contains(&k.as_str()))
+        {
+            return Err(Error::invalid(format!(
+                "{MSG_PAYLOAD}: unknown key {key:?} (known: {})",
+                PAYLOAD_KEYS.join(", ")
+            )));
+        }
+        let page_groups = parse_groups(version, &document)?;
+        if let Some(groups) = document.get("page_groups").and_then(|g| g.as_array()) {
+            for (index, group) in groups.iter().enumerate() {
+                let extra = group
+                    .as_object()
+                    .and_then(|o| o.keys().find(|k| !GROUP_KEYS.contains(&k.as_str())));
+                if let Some(key) = extra {
+                    return Err(Error::invalid(format!(
+                        "{MSG_GROUP} #{index}: unknown key {key:?}"
+                    )));
+                }
+            }
+        }
+        let worker_layout = match document.get("worker_layout") {
+            None => {
+                return Err(Error::invalid(format!(
+                    "{MSG_PAYLOAD}: no worker_layout (a JSON object naming the workers' byte \
+                     layout)"
+                )));
+            }
+            Some(v @ serde_json::Value::Object(_)) => json::Value::from_serde(v)
+                .map_err(|e| Error::invalid(format!("{MSG_PAYLOAD}: worker_layout: {e}")))?,
+            Some(_) => {
+                return Err(Error::invalid(format!(
+                    "{MSG_PAYLOAD}: worker_layout must be a JSON object"
+                )));
+            }
+        };
+        let payload = CheckpointPayload {
+            worker_layout,
+            page_groups,
+            draft_prefix_len: optional_u64(&document, "draft_prefix_len")?,
+            kind: match document.get("kind") {
+                None => None,
+                Some(serde_json::Value::String(k)) => Some(k.clone()),
+                Some(_) => {
+                    return Err(Error::invalid(format!(
+                        "{MSG_PAYLOAD}: kind must be a string"
+                    )));
+                }
+            },
+            num_tokens: optional_u64(&document, "num_tokens")?,
+        };
+        payload.validate()?;
+        Ok(payload)
+    }
+
+    /// The page-group view the payload store and the transfer engine use.
+    pub fn schema(&self) -> PayloadSchema {
+        PayloadSchema {
+            schema_version: Self::SCHEMA_VERSION,
+            page_groups: self.page_groups.clone(),
+        }
+    }
+
+    /// [`CheckpointPayload::schema`], consuming the payload.
+    pub fn into_schema(self) -> PayloadSchema {
+        PayloadSchema {
+            schema_version: Self::SCHEMA_VERSION,
+            page_groups: self.page_groups,
+        }
+    }
+
+    /// A capacity hint for [`CheckpointPayload::build`].
+    fn estimated_len(&self) -> usize {
+        let groups: usize = self
+            .page_groups
+            .iter()
+            .map(|g| 96 + g.name.len() + g.positions.len() * 8 + g.content_keys.len() * 67)
+            .sum();
+        128 + groups
+    }
+}
+
+/// Writes `,"key":` (no comma before the first key).
+fn push_key(out: &mut String, first: &mut bool, key: &str) {
+    if !*first {
+        out.push(',');
+    }
+    *first = false;
+    json::write_string(out, key, true);
+    out.push(':');
+}
+
+fn push_u64(out: &mut String, value: u64) {
+    use std::fmt::Write as _;
+    // Writing to a String cannot fail.
+    let _ = write!(out, "{value}");
+}
+
+/// An optional non-negative integer field (absent = None; null, floats,
+/// bools and negative numbers are refused).
+fn optional_u64(
+    document: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> Result<Option<u64>> {
+    match document.get(key) {
+        None => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            Error::invalid(format!(
+                "{MSG_PAYLOAD}: {key} must be a non-negative integer"
+            ))
+        }),
+    }
+}
+
+/// Parses a payload once: the envelope rules of [`schema_version`], then
+/// the whole JSON object.
+fn parse_document(payload: &[u8]) -> Result<(u8, serde_json::Map<String, serde_json::Value>)> {
+    check_envelope(payload)?;
+    let value: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
+        Error::invalid(format!(
+            "checkpoint manifest payload is not valid JSON: {e}"
+        ))
+    })?;
+    let serde_json::Value::Object(document) = value else {
+        return Err(unsupported_schema());
+    };
+    let version = match document.get("schema_version").and_then(|v| v.as_u64()) {
+        Some(1) => 1,
+        Some(2) => 2,
+        _ => return Err(unsupported_schema()),
+    };
+    Ok((version, document))
+}
+
+/// The `page_groups` of a parsed payload, every group validated.
+fn parse_groups(
+    schema_version: u8,
+    document: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Vec<PageGroup>> {
+    let groups = document
+        .get("page_groups")
+        .and_then(serde_json::Value::as_array)
+        .ok_or_else(|| Error::invalid(format!("{MSG_GROUP}: page_groups must be a list")))?;
+    let page_groups = groups
+        .iter()
+        .enumerate()
+        .map(|(index, group)| parse_group(index, group))
+        .collect::<Result<Vec<_>>>()?;
+    check_groups(schema_version, &page_groups)?;
+    Ok(page_groups)
+}
+
+/// The rules over a payload's whole group list: 1..=4096 groups, unique
+/// names, content keys on every schema-2 group.
+fn check_groups(schema_version: u8, groups: &[PageGroup]) -> Result<()> {
+    if groups.is_empty() || groups.len() > MAX_PAGE_GROUPS {
+        return Err(Error::invalid(format!(
+            "{MSG_GROUP}: page_groups must hold 1..{MAX_PAGE_GROUPS} groups, got {}",
+            groups.len()
+        )));
+    }
+    let mut names = HashSet::new();
+    for g in groups {
+        if !names.insert(g.name.as_str()) {
+            return Err(Error::invalid(format!(
+                "{MSG_GROUP}: duplicate group name {:?}",
+                g.name
+            )));
+        }
+        if schema_version == 2 && g.content_keys.is_empty() {
+            return Err(Error::invalid(format!(
+                "{MSG_GROUP}: schema 2 requires content_keys on group {:?}",
+                g.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The value rules of one group (what [`parse_group`] checks while
+/// parsing), for groups built in code.
+fn check_group_values(index: usize, g: &PageGroup) -> Result<()> {
+    let bad = |what: &str| Error::invalid(format!("{MSG_GROUP} #{index}: {what}"));
+    let name_chars = g.name.chars().count();
+    if name_chars == 0 || name_chars > MAX_GROUP_NAME_CHARS {
+        return Err(bad(ERR_NAME_CHARS));
+    }
+    if !(1..=MAX_PAGE_BYTES).contains(&g.page_bytes) {
+        return Err(bad(ERR_PAGE_BYTES));
+    }
+    if g.positions.is_empty() || g.positions.len() > MAX_GROUP_POSITIONS {
+        return Err(bad(ERR_POSITIONS_COUNT));
+    }
+    if g.positions.windows(2).any(|w| w[1] <= w[0]) {
+        return Err(bad(ERR_POSITIONS_ORDER));
+    }
+    if !g.content_keys.is_empty() && g.content_keys.len() != g.positions.len() {
+        return Err(bad(ERR_KEYS_COUNT));
+    }
+    Ok(())
+}
+
+const ERR_NAME_CHARS: &str = "name must contain 1..256 characters";
+const ERR_PAGE_BYTES: &str = "page_bytes must be an integer in 1..1073741824";
+const ERR_POSITIONS_COUNT: &str = "positions must hold 1..1048576 entries";
+const ERR_POSITIONS_ORDER: &str = "positions must be strictly increasing";
+const ERR_KEYS_COUNT: &str = "content_keys must hold one key per position";
+
 fn parse_group(index: usize, group: &serde_json::Value) -> Result<PageGroup> {
     let bad = |what: &str| Error::invalid(format!("{MSG_GROUP} #{index}: {what}"));
     let obj = group.as_object().ok_or_else(|| bad("must be an object"))?;
@@ -222,19 +595,19 @@ fn parse_group(index: usize, group: &serde_json::Value) -> Result<PageGroup> {
         .ok_or_else(|| bad("name must be a string"))?;
     let name_chars = name.chars().count();
     if name_chars == 0 || name_chars > MAX_GROUP_NAME_CHARS {
-        return Err(bad("name must contain 1..256 characters"));
+        return Err(bad(ERR_NAME_CHARS));
     }
     let page_bytes = obj
         .get("page_bytes")
         .and_then(serde_json::Value::as_u64)
         .filter(|b| (1..=MAX_PAGE_BYTES).contains(b))
-        .ok_or_else(|| bad("page_bytes must be an integer in 1..1073741824"))?;
+        .ok_or_else(|| bad(ERR_PAGE_BYTES))?;
     let raw_positions = obj
         .get("positions")
         .and_then(serde_json::Value::as_array)
         .ok_or_else(|| bad("positions must be a list"))?;
     if raw_positions.is_empty() || raw_positions.len() > MAX_GROUP_POSITIONS {
-        return Err(bad("positions must hold 1..1048576 entries"));
+        return Err(bad(ERR_POSITIONS_COUNT));
     }
     let mut positions = Vec::with_capacity(raw_positions.len());
     for p in raw_positions {
@@ -242,7 +615,7 @@ fn parse_group(index: usize, group: &serde_json::Value) -> Result<PageGroup> {
             .as_u64()
             .ok_or_else(|| bad("positions must be non-negative integers"))?;
         if positions.last().is_some_and(|&last| p <= last) {
-            return Err(bad("positions must be strictly increasing"));
+            return Err(bad(ERR_POSITIONS_ORDER));
         }
         positions.push(p);
     }
@@ -251,7 +624,7 @@ fn parse_group(index: usize, group: &serde_json::Value) -> Result<PageGroup> {
         Some(serde_json::Value::Array(keys)) if keys.is_empty() => Vec::new(),
         Some(serde_json::Value::Array(keys)) => {
             if keys.len() != positions.len() {
-                return Err(bad("content_keys must hold one key per position"));
+                return Err(bad(ERR_KEYS_COUNT));
             }
             keys.iter()
                 .map(|k| {

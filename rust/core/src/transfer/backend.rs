@@ -1,7 +1,11 @@
-//! Copy backends: who moves the bytes between a page pool and shared memory.
+//! Copy backends: who moves the bytes between a worker's KV memory and
+//! shared memory.
 //!
-//! A backend receives only [`CopyPlan`]s that passed validation, so every
-//! page row and slot it touches is inside its pool and the mapping. It
+//! A backend is bound to a [`PageLayout`] (its buffers' sizes, blocks and
+//! page groups) and to the buffers' addresses. It receives only
+//! [`CopyPlan`]s that passed validation, and re-checks each one while
+//! turning it into [`CopyRun`]s ([`copy_runs`]), so every byte it touches is
+//! inside its buffers and the mapping. It
 //! reports how a copy ended in a way that keeps invariant I5 checkable: a
 //! [`CopyFailure::Recoverable`] promises that nothing is in flight any more
 //! (the lease may be finished as failed), a [`CopyFailure::InFlight`] says a
@@ -13,7 +17,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::plan::{CopyPlan, Direction, PoolShape};
+use super::layout::{PageLayout, PoolShape, check_disjoint};
+use super::plan::{CopyPlan, Direction};
 use crate::error::{Error, Result};
 use crate::store::shm::ShmPool;
 
@@ -35,8 +40,8 @@ pub type Registration = Box<dyn Any + Send + Sync>;
 pub trait CopyBackend: Send + Sync {
     /// `"cpu"` or `"cuda"`.
     fn name(&self) -> &'static str;
-    /// The bound page pool's geometry.
-    fn shape(&self) -> PoolShape;
+    /// The bound memory's page layout.
+    fn layout(&self) -> &PageLayout;
     /// Prepares a freshly mapped shared-memory pool (CUDA: page-locks it once).
     fn register(&self, pool: &ShmPool) -> Result<Option<Registration>>;
     /// Whether this backend can wait on a producer event.
@@ -97,25 +102,27 @@ impl FaultQueue {
     }
 }
 
-/// The host backend: the page pool is ordinary memory (e.g. a numpy array)
-/// and pages are copied with `memcpy` on the engine's copy threads.
+/// The host backend: the bound memory is ordinary memory (numpy arrays,
+/// torch CPU tensors) and pages are copied with `memcpy` / streaming stores
+/// on the engine's copy threads.
 pub struct CpuBackend {
-    base: *mut u8,
-    shape: PoolShape,
+    bases: Vec<*mut u8>,
+    layout: PageLayout,
     faults: FaultQueue,
 }
 
-// SAFETY: `CpuBackend` only stores the base address of memory that
-// `CpuBackend::new`'s caller keeps alive for the backend's whole life; all
-// access goes through validated plans on the copy threads, and concurrent
-// plans never share a page row (the connector pins distinct rows per job).
+// SAFETY: `CpuBackend` only stores the base addresses of memory that its
+// constructor's caller keeps alive for the backend's whole life; all access
+// goes through re-checked plans on the copy threads, and concurrent plans
+// never share a page (the connector pins distinct blocks per job).
 unsafe impl Send for CpuBackend {}
 // SAFETY: see `Send`; the backend has no interior state besides the fault
 // queue, which is behind a mutex.
 unsafe impl Sync for CpuBackend {}
 
 impl CpuBackend {
-    /// A backend over `num_blocks` rows of `page_bytes` at `base`.
+    /// A backend over a contiguous pool of `num_blocks` rows of `page_bytes`
+    /// at `base` (the boundary fork's page pool).
     ///
     /// # Safety
     ///
@@ -124,13 +131,32 @@ impl CpuBackend {
     /// if the engine turns unsafe — until the process ends. Rows named by a
     /// job must not be written by others while that job copies.
     pub unsafe fn new(base: *mut u8, shape: PoolShape) -> Result<CpuBackend> {
-        check_shape(shape)?;
+        let layout = PageLayout::pool(shape)?;
         if base.is_null() {
             return Err(Error::invalid("the page pool's address is null"));
         }
+        // SAFETY: forwarded from this function's contract (one buffer of
+        // `num_blocks * page_bytes` bytes at `base`).
+        unsafe { CpuBackend::with_layout(vec![base], layout) }
+    }
+
+    /// A backend over buffers at `bases`, laid out by `layout` (buffer `i`
+    /// has `layout.buffer_sizes()[i]` bytes at `bases[i]`). Refuses a count
+    /// that differs from the layout's, a null address, and buffers whose
+    /// address ranges overlap.
+    ///
+    /// # Safety
+    ///
+    /// Each `bases[i]` must point to `layout.buffer_sizes()[i]` writable
+    /// bytes that stay valid (not freed, not moved) for the whole life of the
+    /// backend, and — if the engine turns unsafe — until the process ends.
+    /// The bytes of the blocks named by a job must not be written by others
+    /// while that job copies.
+    pub unsafe fn with_layout(bases: Vec<*mut u8>, layout: PageLayout) -> Result<CpuBackend> {
+        check_buffers(&bases, &layout)?;
         Ok(CpuBackend {
-            base,
-            shape,
+            bases,
+            layout,
             faults: FaultQueue::default(),
         })
     }
@@ -139,6 +165,25 @@ impl CpuBackend {
     pub fn faults(&self) -> &FaultQueue {
         &self.faults
     }
+}
+
+/// Checks buffer addresses against a layout: one per buffer, none null, no
+/// two overlapping (the per-job overlap rule compares offsets within each
+/// buffer, which is sound only for disjoint buffers).
+fn check_buffers(bases: &[*mut u8], layout: &PageLayout) -> Result<()> {
+    if bases.len() != layout.buffer_sizes().len() {
+        return Err(Error::invalid(format!(
+            "the layout describes {} buffers but {} addresses were given",
+            layout.buffer_sizes().len(),
+            bases.len()
+        )));
+    }
+    let ranges: Vec<(u64, u64)> = bases
+        .iter()
+        .zip(layout.buffer_sizes())
+        .map(|(&b, &size)| (b as u64, size))
+        .collect();
+    check_disjoint(&ranges)
 }
 
 /// Copies below this size go through `memcpy`; larger ones stream.
@@ -208,96 +253,87 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
     }
 }
 
-/// Pages whose rows and slots both follow each other, copied as one range.
+/// One contiguous copy: `len` bytes at `offset` of buffer `buffer` and at
+/// `shm_offset` of the shared memory. A run is one region of one page, or
+/// several joined because they follow each other on both sides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CopyRun {
-    /// First row.
-    pub block: u64,
-    /// First slot's offset.
+    /// Index of the buffer in the layout.
+    pub buffer: usize,
+    /// Byte offset in the buffer.
+    pub offset: u64,
+    /// Byte offset in the shared memory.
     pub shm_offset: u64,
-    /// Pages in the run.
-    pub pages: u64,
+    /// Bytes.
+    pub len: u64,
 }
 
-/// Joins adjacent pages of a plan into runs: a large copy moves bytes much
-/// faster than many page-sized ones (the C library switches to its
-/// streaming path), and consecutive slots and rows are common (a lease's
-/// slots are allocated together; a fresh request's blocks often are too).
-pub fn contiguous_runs(plan: &CopyPlan) -> Vec<CopyRun> {
+/// Turns a plan into copies, re-checking it against the bound layout and
+/// the shared memory's size: plans are public values, so a backend never
+/// trusts that one came from [`crate::transfer::plan::plan_copy`]. A page
+/// whose group is unknown, whose width differs from its group's, whose
+/// block is 0 or past the layout, or whose slot leaves the shared memory is
+/// a recoverable error, never an out-of-bounds copy. (Every region of a
+/// block below `num_blocks` lies inside its buffer: [`PageLayout`] proved
+/// that when it was built.)
+///
+/// Each page's regions go, in template order, to consecutive bytes of its
+/// slot. Runs adjacent on both sides are joined: a large copy moves bytes
+/// much faster than many small ones (the C library switches to its
+/// streaming path), and consecutive slots and blocks are common (a lease's
+/// slots are allocated together; a fresh request's blocks often are too),
+/// so a 2-D pool copies runs of whole pages as before.
+pub fn copy_runs(
+    plan: &CopyPlan,
+    layout: &PageLayout,
+    shm_size: u64,
+) -> std::result::Result<Vec<CopyRun>, CopyFailure> {
+    let refuse = |why: String| Err(CopyFailure::Recoverable(Error::invalid(why)));
     let mut runs: Vec<CopyRun> = Vec::new();
     for page in &plan.pages {
-        if let Some(last) = runs.last_mut() {
-            if page.block == last.block + last.pages
-                && page.shm_offset == last.shm_offset + last.pages * plan.page_bytes
-            {
-                last.pages += 1;
-                continue;
-            }
-        }
-        runs.push(CopyRun {
-            block: page.block,
-            shm_offset: page.shm_offset,
-            pages: 1,
-        });
-    }
-    runs
-}
-
-/// Re-checks that every run of `plan` lies inside the page pool and the
-/// mapping. Plans are public values, so a backend never trusts that one came
-/// from [`crate::transfer::plan::plan_copy`]: a bad one is a recoverable error,
-/// never an out-of-bounds copy.
-pub fn check_runs(
-    plan: &CopyPlan,
-    runs: &[CopyRun],
-    shape: PoolShape,
-    pool: &ShmPool,
-) -> std::result::Result<(), CopyFailure> {
-    let refuse = |why: String| Err(CopyFailure::Recoverable(Error::invalid(why)));
-    if plan.page_bytes != shape.page_bytes {
-        return refuse(format!(
-            "a copy plan of {}-byte pages does not fit a pool of {}-byte rows",
-            plan.page_bytes, shape.page_bytes
-        ));
-    }
-    for run in runs {
-        let rows_end = run.block.checked_add(run.pages);
-        let len = run.pages.checked_mul(plan.page_bytes);
-        let slots_end = len.and_then(|len| run.shm_offset.checked_add(len));
-        if run.block == 0
-            || rows_end.is_none_or(|end| end > shape.num_blocks)
-            || slots_end.is_none_or(|end| end > pool.size())
+        let Some(group) = layout.group(page.group) else {
+            return refuse(format!(
+                "a copy plan names layout group {}, which this backend does not have",
+                page.group
+            ));
+        };
+        let slot_end = page.shm_offset.checked_add(page.page_bytes);
+        if page.page_bytes != group.page_bytes()
+            || page.block == 0
+            || page.block >= layout.num_blocks()
+            || slot_end.is_none_or(|end| end > shm_size)
         {
             return refuse(format!(
-                "a copy plan names rows {}..+{} or slot bytes at {} outside the page pool \
-                 ({} rows) or the shared memory ({} bytes)",
-                run.block,
-                run.pages,
-                run.shm_offset,
-                shape.num_blocks,
-                pool.size()
+                "a copy plan names block {} ({} bytes, group width {}) or slot bytes at {} outside \
+                 the bound memory ({} blocks) or the shared memory ({shm_size} bytes)",
+                page.block,
+                page.page_bytes,
+                group.page_bytes(),
+                page.shm_offset,
+                layout.num_blocks(),
             ));
         }
+        let mut at = page.shm_offset;
+        for (buffer, offset, len) in group.regions_at(page.block) {
+            match runs.last_mut() {
+                Some(last)
+                    if last.buffer == buffer
+                        && last.offset + last.len == offset
+                        && last.shm_offset + last.len == at =>
+                {
+                    last.len += len;
+                }
+                _ => runs.push(CopyRun {
+                    buffer,
+                    offset,
+                    shm_offset: at,
+                    len,
+                }),
+            }
+            at += len;
+        }
     }
-    Ok(())
-}
-
-/// Refuses an empty or overflowing pool shape.
-pub fn check_shape(shape: PoolShape) -> Result<()> {
-    if shape.num_blocks < 2 || shape.page_bytes == 0 {
-        return Err(Error::invalid(format!(
-            "a page pool needs at least 2 rows (row 0 is the null page) of at least 1 byte, got \
-             {} rows of {} bytes",
-            shape.num_blocks, shape.page_bytes
-        )));
-    }
-    let total = shape.num_blocks.checked_mul(shape.page_bytes);
-    if total.is_none_or(|t| usize::try_from(t).is_err() || t > isize::MAX as u64) {
-        return Err(Error::invalid(
-            "the page pool is larger than the address space",
-        ));
-    }
-    Ok(())
+    Ok(runs)
 }
 
 impl CopyBackend for CpuBackend {
@@ -305,11 +341,24 @@ impl CopyBackend for CpuBackend {
         "cpu"
     }
 
-    fn shape(&self) -> PoolShape {
-        self.shape
+    fn layout(&self) -> &PageLayout {
+        &self.layout
     }
 
-    fn register(&self, _pool: &ShmPool) -> Result<Option<Registration>> {
+    fn register(&self, pool: &ShmPool) -> Result<Option<Registration>> {
+        // The copies below assume page memory and shared memory are separate.
+        let mut ranges: Vec<(u64, u64)> = self
+            .bases
+            .iter()
+            .zip(self.layout.buffer_sizes())
+            .map(|(&b, &size)| (b as u64, size))
+            .collect();
+        ranges.push((pool.as_ptr() as u64, pool.size()));
+        check_disjoint(&ranges).map_err(|e| {
+            Error::invalid(format!(
+                "the bound page memory overlaps the sidecar's shared memory: {e}"
+            ))
+        })?;
         Ok(None)
     }
 
@@ -324,26 +373,30 @@ impl CopyBackend for CpuBackend {
         _producer_event: Option<u64>,
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
-        let runs = contiguous_runs(plan);
-        check_runs(plan, &runs, self.shape, pool)?;
+        let runs = copy_runs(plan, &self.layout, pool.size())?;
         let shm = pool.as_ptr();
         for run in runs {
-            let row = (run.block * self.shape.page_bytes) as usize;
-            let slot = run.shm_offset as usize;
-            let len = (run.pages * plan.page_bytes) as usize;
-            // SAFETY: `check_runs` proved `0 < block`, `block + pages <=
-            // num_blocks`, `page_bytes == shape.page_bytes` and `shm_offset +
-            // pages * page_bytes <= pool.size()`, so the whole range lies
-            // inside the live page pool (kept alive per `new`'s contract) and
-            // the mapping (kept alive by `pool`). The page pool is private
-            // memory and the SHM a separate mapping, so they cannot overlap.
-            // The lease gives this job exclusive use of the slots and the
-            // connector's pins give it the rows; no Rust references to either
-            // range exist.
+            let base = self.bases[run.buffer];
+            // SAFETY: `copy_runs` proved `0 < block < num_blocks`, the page's
+            // width equals its group's and `shm_offset + len <= pool.size()`;
+            // the layout proved (when built) that every region of such a block
+            // lies inside its buffer, and a run only joins regions adjacent
+            // on both sides. So `base + offset .. + len` lies inside a live
+            // buffer (kept alive per the constructor's contract; `run.buffer`
+            // indexes `bases`, whose length equals the layout's buffer count)
+            // and `shm + shm_offset .. + len` inside the mapping (kept alive
+            // by `pool`). `register` proved the buffers and the mapping are
+            // disjoint, so source and destination never overlap. The lease
+            // gives this job exclusive use of the slots and the connector's
+            // pins give it the blocks; no Rust references to either range
+            // exist.
             unsafe {
+                let page = base.add(run.offset as usize);
+                let slot = shm.add(run.shm_offset as usize);
+                let len = run.len as usize;
                 match plan.direction {
-                    Direction::Store => copy_bytes(shm.add(slot), self.base.add(row), len),
-                    Direction::Retrieve => copy_bytes(self.base.add(row), shm.add(slot), len),
+                    Direction::Store => copy_bytes(slot, page, len),
+                    Direction::Retrieve => copy_bytes(page, slot, len),
                 }
             }
         }
@@ -354,18 +407,39 @@ impl CopyBackend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transfer::layout::RegionTemplate;
     use crate::transfer::plan::PageCopy;
+
+    fn pool_layout() -> PageLayout {
+        PageLayout::pool(PoolShape {
+            num_blocks: 16,
+            page_bytes: 100,
+        })
+        .unwrap()
+    }
 
     fn plan(pages: &[(u64, u64)]) -> CopyPlan {
         CopyPlan {
             direction: Direction::Store,
-            page_bytes: 100,
             pages: pages
                 .iter()
-                .map(|&(block, shm_offset)| PageCopy { block, shm_offset })
+                .map(|&(block, shm_offset)| PageCopy {
+                    group: 0,
+                    block,
+                    shm_offset,
+                    page_bytes: 100,
+                })
                 .collect(),
             skipped: 0,
         }
+    }
+
+    fn runs(plan: &CopyPlan, layout: &PageLayout) -> Vec<(usize, u64, u64, u64)> {
+        copy_runs(plan, layout, 1 << 20)
+            .unwrap()
+            .iter()
+            .map(|r| (r.buffer, r.offset, r.shm_offset, r.len))
+            .collect()
     }
 
     #[test]
@@ -404,14 +478,82 @@ mod tests {
     fn runs_join_only_pages_adjacent_on_both_sides() {
         // rows 1,2,3 with slots 0,100,200 join; row 5 follows the slot but
         // not the row; row 6 follows row 5 but its slot does not follow.
-        let runs = contiguous_runs(&plan(&[(1, 0), (2, 100), (3, 200), (5, 300), (6, 500)]));
-        let got: Vec<(u64, u64, u64)> = runs
-            .iter()
-            .map(|r| (r.block, r.shm_offset, r.pages))
-            .collect();
-        assert_eq!(got, vec![(1, 0, 3), (5, 300, 1), (6, 500, 1)]);
-        assert!(contiguous_runs(&plan(&[])).is_empty());
+        let l = pool_layout();
+        let got = runs(&plan(&[(1, 0), (2, 100), (3, 200), (5, 300), (6, 500)]), &l);
+        assert_eq!(
+            got,
+            vec![(0, 100, 0, 300), (0, 500, 300, 100), (0, 600, 500, 100)]
+        );
+        assert!(runs(&plan(&[]), &l).is_empty());
         // Descending rows never join.
-        assert_eq!(contiguous_runs(&plan(&[(4, 0), (3, 100)])).len(), 2);
+        assert_eq!(runs(&plan(&[(4, 0), (3, 100)]), &l).len(), 2);
+    }
+
+    #[test]
+    fn a_page_of_regions_fills_its_slot_in_template_order() {
+        // K and V halves of a 2-block-stride buffer, then a state region in
+        // a second buffer: one page is 3 runs into consecutive slot bytes.
+        let t = |buffer, offset, block_stride, length| RegionTemplate {
+            buffer,
+            offset,
+            block_stride,
+            length,
+        };
+        let l = PageLayout::regions(
+            &[800, 400],
+            4,
+            vec![(
+                "g".to_string(),
+                vec![t(0, 0, 200, 100), t(0, 100, 200, 100), t(1, 0, 100, 50)],
+            )],
+        )
+        .unwrap();
+        let p = CopyPlan {
+            direction: Direction::Retrieve,
+            pages: vec![PageCopy {
+                group: 0,
+                block: 2,
+                shm_offset: 1000,
+                page_bytes: 250,
+            }],
+            skipped: 0,
+        };
+        // K and V of one block are adjacent in the buffer and in the slot.
+        assert_eq!(runs(&p, &l), vec![(0, 400, 1000, 200), (1, 200, 1200, 50)]);
+    }
+
+    #[test]
+    fn plans_outside_the_layout_or_the_shared_memory_are_refused() {
+        let l = pool_layout();
+        let bad = |p: PageCopy| {
+            let plan = CopyPlan {
+                direction: Direction::Store,
+                pages: vec![p],
+                skipped: 0,
+            };
+            matches!(copy_runs(&plan, &l, 1000), Err(CopyFailure::Recoverable(_)))
+        };
+        let ok = PageCopy {
+            group: 0,
+            block: 1,
+            shm_offset: 900,
+            page_bytes: 100,
+        };
+        assert!(!bad(ok));
+        assert!(bad(PageCopy { group: 1, ..ok }));
+        assert!(bad(PageCopy { block: 0, ..ok }));
+        assert!(bad(PageCopy { block: 16, ..ok }));
+        assert!(bad(PageCopy {
+            page_bytes: 50,
+            ..ok
+        }));
+        assert!(bad(PageCopy {
+            shm_offset: 901,
+            ..ok
+        }));
+        assert!(bad(PageCopy {
+            shm_offset: u64::MAX - 10,
+            ..ok
+        }));
     }
 }

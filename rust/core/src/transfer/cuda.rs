@@ -7,13 +7,23 @@
 //! uses *before* the first driver call; without them constructing a
 //! [`CudaBackend`] is an [`Error::Device`], never a panic.
 //!
-//! Per spec §9: the shared-memory mapping is page-locked once
-//! (`cuMemHostRegister`) so copies are true async DMA; each plan is enqueued
-//! in one burst under a mutex on a dedicated non-blocking stream that first
-//! waits on the producer event, then the stream is synchronised. A failed
-//! synchronisation means a DMA may still touch the memory: that is the
-//! unsafe outcome. A failure before any copy was enqueued (e.g. the event
-//! wait) is recoverable.
+//! The shared-memory mapping is page-locked once per mapping
+//! (`cuMemHostRegister`) so copies are true async DMA. Each copy runs on a
+//! *lane* of its own: a non-blocking stream and an event, taken from a
+//! small pool (one lane per copy running at once, so at most the engine's
+//! copy threads). The copy makes its lane's stream wait on the producer
+//! event, enqueues every run, records the lane's event and waits for that
+//! event — holding no lock, so several copies of one rank overlap on the
+//! device's copy engines instead of queueing behind one stream and one
+//! mutex. The event is created with `CU_EVENT_BLOCKING_SYNC`, so the
+//! waiting copy thread sleeps instead of spinning whatever scheduling flags
+//! the inference engine gave the primary context.
+//!
+//! A failed wait (or, when recording the event failed, a failed stream
+//! synchronisation) means a DMA may still touch the memory: that is the
+//! unsafe outcome, and the lane is leaked, never reused or destroyed. A
+//! failure before anything was enqueued, or an enqueue failure after which
+//! the lane drained, is recoverable.
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
@@ -21,11 +31,9 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
-use super::backend::{
-    CopyBackend, CopyFailure, CopyRun, FaultQueue, Registration, check_runs, check_shape,
-    contiguous_runs,
-};
-use super::plan::{CopyPlan, Direction, PoolShape};
+use super::backend::{CopyBackend, CopyFailure, CopyRun, FaultQueue, Registration, copy_runs};
+use super::layout::{PageLayout, PoolShape, check_disjoint};
+use super::plan::{CopyPlan, Direction};
 use crate::error::{Error, Result};
 use crate::store::shm::ShmPool;
 
@@ -40,6 +48,10 @@ const SYMBOLS: &[&str] = &[
     "cuStreamDestroy_v2",
     "cuStreamWaitEvent",
     "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventSynchronize",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemcpyHtoDAsync_v2",
@@ -95,21 +107,28 @@ fn check(status: sys::CUresult, what: &str) -> Result<()> {
     }
 }
 
-/// The CUDA backend over a device page pool.
+/// A stream and an event that one copy uses alone (see the module docs).
+struct Lane {
+    stream: sys::CUstream,
+    event: sys::CUevent,
+}
+
+/// The CUDA backend over device buffers (a 2-D page pool or per-layer
+/// KV-cache tensors).
 pub struct CudaBackend {
     device: sys::CUdevice,
     ctx: sys::CUcontext,
-    stream: sys::CUstream,
-    base: sys::CUdeviceptr,
-    shape: PoolShape,
-    /// One enqueue burst per plan (spec §9.2 step 8).
-    burst: Mutex<()>,
+    bases: Vec<sys::CUdeviceptr>,
+    layout: PageLayout,
+    /// Idle lanes. Held only to take or return one, never across a copy.
+    lanes: Mutex<Vec<Lane>>,
     faults: FaultQueue,
 }
 
 // SAFETY: the raw handles are driver objects usable from any thread once the
-// context is made current (every method does so first); the enqueue burst is
-// serialised by `burst`.
+// context is made current (every method does so first). A lane is used by
+// one copy at a time: it is popped from `lanes` under the mutex and pushed
+// back only when its copy drained.
 unsafe impl Send for CudaBackend {}
 // SAFETY: see `Send`.
 unsafe impl Sync for CudaBackend {}
@@ -137,10 +156,11 @@ impl Drop for HostRegistration {
 }
 
 impl CudaBackend {
-    /// A backend over `shape` rows at device address `base` on device `ordinal`.
+    /// A backend over `shape` rows at device address `base` on device
+    /// `ordinal` (the boundary fork's page pool).
     ///
-    /// Checks the driver first ([`driver_available`]), then that `base` is
-    /// device memory covering the whole pool.
+    /// Checks the shape, then the driver ([`driver_available`]), then that
+    /// `base` is device memory of that device covering the whole pool.
     ///
     /// # Safety
     ///
@@ -148,9 +168,44 @@ impl CudaBackend {
     /// if the engine turns unsafe, until the process ends); rows named by a
     /// job must not be freed or reused while that job copies.
     pub unsafe fn new(ordinal: i32, base: u64, shape: PoolShape) -> Result<CudaBackend> {
-        check_shape(shape)?;
+        let layout = PageLayout::pool(shape)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { CudaBackend::with_layout(ordinal, vec![base], layout) }
+    }
+
+    /// A backend over device buffers at `bases` on device `ordinal`, laid
+    /// out by `layout` (buffer `i` has `layout.buffer_sizes()[i]` bytes).
+    ///
+    /// Checks the addresses (one per buffer, none null, no two overlapping),
+    /// then the driver ([`driver_available`]), then that every buffer is
+    /// device memory of device `ordinal` inside one allocation that covers
+    /// its whole size.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer's device memory must stay allocated for the backend's
+    /// life (and, if the engine turns unsafe, until the process ends); the
+    /// blocks named by a job must not be freed or reused while that job
+    /// copies.
+    pub unsafe fn with_layout(
+        ordinal: i32,
+        bases: Vec<u64>,
+        layout: PageLayout,
+    ) -> Result<CudaBackend> {
+        if bases.len() != layout.buffer_sizes().len() {
+            return Err(Error::invalid(format!(
+                "the layout describes {} buffers but {} device addresses were given",
+                layout.buffer_sizes().len(),
+                bases.len()
+            )));
+        }
+        let ranges: Vec<(u64, u64)> = bases
+            .iter()
+            .copied()
+            .zip(layout.buffer_sizes().iter().copied())
+            .collect();
+        check_disjoint(&ranges)?;
         driver_available()?;
-        let total = shape.num_blocks * shape.page_bytes;
         // SAFETY: `driver_available` proved the library and symbols exist;
         // every out-pointer is a live local.
         unsafe {
@@ -167,50 +222,15 @@ impl CudaBackend {
                 e
             };
             check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent").map_err(release)?;
-            let mut memtype: u32 = 0;
-            check(
-                sys::cuPointerGetAttribute(
-                    (&mut memtype as *mut u32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                    base,
-                ),
-                "cuPointerGetAttribute (is the page pool a CUDA tensor?)",
-            )
-            .map_err(release)?;
-            if memtype != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-                return Err(release(Error::invalid(
-                    "the page pool is not device memory: pass a validated CUDA raw-page pool",
-                )));
+            for (i, &(base, size)) in ranges.iter().enumerate() {
+                check_device_buffer(i, base, size, ordinal).map_err(release)?;
             }
-            let mut alloc_base: sys::CUdeviceptr = 0;
-            let mut alloc_size: usize = 0;
-            check(
-                sys::cuMemGetAddressRange_v2(&mut alloc_base, &mut alloc_size, base),
-                "cuMemGetAddressRange",
-            )
-            .map_err(release)?;
-            if base + total > alloc_base + alloc_size as u64 {
-                return Err(release(Error::invalid(format!(
-                    "the page pool of {total} bytes does not fit its allocation of {alloc_size} \
-                     bytes: pass a contiguous [num_blocks, page_bytes] uint8 tensor"
-                ))));
-            }
-            let mut stream: sys::CUstream = std::ptr::null_mut();
-            check(
-                sys::cuStreamCreate(
-                    &mut stream,
-                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                ),
-                "cuStreamCreate",
-            )
-            .map_err(release)?;
             Ok(CudaBackend {
                 device,
                 ctx,
-                stream,
-                base,
-                shape,
-                burst: Mutex::new(()),
+                bases,
+                layout,
+                lanes: Mutex::new(Vec::new()),
                 faults: FaultQueue::default(),
             })
         }
@@ -221,56 +241,177 @@ impl CudaBackend {
         &self.faults
     }
 
-    fn enqueue(
-        &self,
-        plan: &CopyPlan,
-        runs: &[CopyRun],
-        pool: &ShmPool,
-        event: Option<u64>,
-    ) -> Result<usize> {
-        let shm = pool.as_ptr();
-        let width = plan.page_bytes as usize;
-        let mut enqueued = 0;
-        // SAFETY: the context is this backend's; the event handle comes from
-        // the worker (a live CUevent per the job's contract); `check_runs`
-        // proved every run's device rows and SHM slots lie inside their pools,
-        // and the SHM mapping outlives the copy (synchronised below, or
-        // leaked by the engine when synchronisation fails).
-        unsafe {
-            check(sys::cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")?;
-            if let Some(ev) = event {
-                check(
-                    sys::cuStreamWaitEvent(self.stream, ev as sys::CUevent, 0),
-                    "waiting on the producer event",
-                )?;
-            }
-            for run in runs {
-                let row = self.base + run.block * self.shape.page_bytes;
-                let slot = shm.add(run.shm_offset as usize);
-                let len = run.pages as usize * width;
-                let status = match plan.direction {
-                    Direction::Store => {
-                        sys::cuMemcpyDtoHAsync_v2(slot.cast(), row, len, self.stream)
-                    }
-                    Direction::Retrieve => {
-                        sys::cuMemcpyHtoDAsync_v2(row, slot.cast_const().cast(), len, self.stream)
-                    }
-                };
-                check(status, "enqueueing a page copy")?;
-                enqueued += 1;
-            }
+    /// An idle lane, or a new one. The context must be current.
+    fn take_lane(&self) -> Result<Lane> {
+        if let Some(lane) = self.lanes.lock().pop() {
+            return Ok(lane);
         }
-        Ok(enqueued)
+        // SAFETY: the context is current (the caller made it so); both
+        // out-pointers are live locals; a stream created here is destroyed
+        // if its event cannot be created.
+        unsafe {
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            check(
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                ),
+                "cuStreamCreate",
+            )?;
+            let mut event: sys::CUevent = std::ptr::null_mut();
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+                | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+            if let Err(e) = check(sys::cuEventCreate(&mut event, flags), "cuEventCreate") {
+                let _ = sys::cuStreamDestroy_v2(stream);
+                return Err(e);
+            }
+            Ok(Lane { stream, event })
+        }
     }
+
+    /// Enqueues `runs` on `lane` after `event`; the number enqueued, or the
+    /// first failure with how many were enqueued before it.
+    ///
+    /// # Safety
+    ///
+    /// The context must be current; every run must lie inside its buffer
+    /// and the mapping `shm` (`copy_runs` proved it); the mapping must stay
+    /// alive until the lane drained (or for good, if draining fails).
+    unsafe fn enqueue(
+        &self,
+        lane: &Lane,
+        direction: Direction,
+        runs: &[CopyRun],
+        shm: *mut u8,
+        event: Option<u64>,
+    ) -> std::result::Result<usize, (usize, Error)> {
+        // SAFETY: the event handle comes from the worker (a live CUevent of
+        // this context per the job's contract); the stream is this lane's.
+        if let Some(ev) = event {
+            let status = unsafe { sys::cuStreamWaitEvent(lane.stream, ev as sys::CUevent, 0) };
+            check(status, "waiting on the producer event").map_err(|e| (0, e))?;
+        }
+        for (n, run) in runs.iter().enumerate() {
+            let device = self.bases[run.buffer] + run.offset;
+            // SAFETY: per this function's contract `shm_offset + len` is
+            // inside the mapping and `offset + len` inside buffer
+            // `run.buffer` (an index below `bases.len()`, which equals the
+            // layout's buffer count); both stay alive until the lane drains.
+            let status = unsafe {
+                let slot = shm.add(run.shm_offset as usize);
+                let len = run.len as usize;
+                match direction {
+                    Direction::Store => {
+                        sys::cuMemcpyDtoHAsync_v2(slot.cast(), device, len, lane.stream)
+                    }
+                    Direction::Retrieve => sys::cuMemcpyHtoDAsync_v2(
+                        device,
+                        slot.cast_const().cast(),
+                        len,
+                        lane.stream,
+                    ),
+                }
+            };
+            check(status, "enqueueing a page copy").map_err(|e| (n, e))?;
+        }
+        Ok(runs.len())
+    }
+
+    /// Waits until everything enqueued on `lane` completed, holding no
+    /// lock: records the lane's event and waits for it (or, if recording
+    /// fails, synchronises the lane's own stream). `Err` = it may still run.
+    fn drain(&self, lane: &Lane) -> std::result::Result<(), String> {
+        // SAFETY: the stream and event are this lane's, used by this copy
+        // alone; the context is current.
+        unsafe {
+            let recorded = sys::cuEventRecord(lane.event, lane.stream);
+            if recorded == sys::CUresult::CUDA_SUCCESS {
+                let waited = sys::cuEventSynchronize(lane.event);
+                if waited == sys::CUresult::CUDA_SUCCESS {
+                    return Ok(());
+                }
+                return Err(format!("cuEventSynchronize failed ({waited:?})"));
+            }
+            let synced = sys::cuStreamSynchronize(lane.stream);
+            if synced == sys::CUresult::CUDA_SUCCESS {
+                return Ok(());
+            }
+            Err(format!(
+                "cuEventRecord failed ({recorded:?}), then cuStreamSynchronize failed ({synced:?})"
+            ))
+        }
+    }
+}
+
+/// Checks that `size` bytes at `base` are device memory of device `ordinal`
+/// inside one allocation.
+///
+/// # Safety
+///
+/// The driver must be loaded ([`driver_available`]) and a context current.
+unsafe fn check_device_buffer(index: usize, base: u64, size: u64, ordinal: i32) -> Result<()> {
+    // SAFETY: the out-pointers are live locals; the driver only reads
+    // `base` as an address to look up.
+    unsafe {
+        let mut memtype: u32 = 0;
+        check(
+            sys::cuPointerGetAttribute(
+                (&mut memtype as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                base,
+            ),
+            "cuPointerGetAttribute (is the page pool a CUDA tensor?)",
+        )?;
+        if memtype != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(Error::invalid(format!(
+                "buffer {index} is not device memory: pass a validated CUDA raw-page pool or \
+                 CUDA KV-cache tensors"
+            )));
+        }
+        let mut on: i32 = -1;
+        check(
+            sys::cuPointerGetAttribute(
+                (&mut on as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                base,
+            ),
+            "cuPointerGetAttribute (device ordinal)",
+        )?;
+        if on != ordinal {
+            return Err(Error::invalid(format!(
+                "buffer {index} lives on CUDA device {on}, the backend is bound to device \
+                 {ordinal}: every buffer must be on one device"
+            )));
+        }
+        let mut alloc_base: sys::CUdeviceptr = 0;
+        let mut alloc_size: usize = 0;
+        check(
+            sys::cuMemGetAddressRange_v2(&mut alloc_base, &mut alloc_size, base),
+            "cuMemGetAddressRange",
+        )?;
+        let end = base.checked_add(size);
+        let alloc_end = alloc_base.checked_add(alloc_size as u64);
+        if end.is_none() || alloc_end.is_none() || end > alloc_end {
+            return Err(Error::invalid(format!(
+                "buffer {index} of {size} bytes does not fit its allocation of {alloc_size} \
+                 bytes: pass contiguous uint8 tensors (or their whole storage)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        // SAFETY: handles created in `new`; the engine drops the backend only
-        // after every copy drained.
+        // SAFETY: handles created by this backend; the engine drops the
+        // backend only after every copy drained, and a lane whose copy may
+        // still run was never returned to `lanes` (it is leaked).
         unsafe {
             let _ = sys::cuCtxSetCurrent(self.ctx);
-            let _ = sys::cuStreamDestroy_v2(self.stream);
+            for lane in self.lanes.get_mut().drain(..) {
+                let _ = sys::cuEventDestroy_v2(lane.event);
+                let _ = sys::cuStreamDestroy_v2(lane.stream);
+            }
             let _ = sys::cuDevicePrimaryCtxRelease_v2(self.device);
         }
     }
@@ -281,8 +422,8 @@ impl CopyBackend for CudaBackend {
         "cuda"
     }
 
-    fn shape(&self) -> PoolShape {
-        self.shape
+    fn layout(&self) -> &PageLayout {
+        &self.layout
     }
 
     fn register(&self, pool: &ShmPool) -> Result<Option<Registration>> {
@@ -316,19 +457,33 @@ impl CopyBackend for CudaBackend {
         producer_event: Option<u64>,
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
-        let runs = contiguous_runs(plan);
-        check_runs(plan, &runs, self.shape, pool)?;
-        let _burst = self.burst.lock();
-        let enqueued = self.enqueue(plan, &runs, pool, producer_event);
-        // Always drain, even when enqueueing failed half-way (step 9).
-        // SAFETY: the stream is this backend's.
-        let synced = unsafe { sys::cuStreamSynchronize(self.stream) };
-        if synced != sys::CUresult::CUDA_SUCCESS {
+        let runs = copy_runs(plan, &self.layout, pool.size())?;
+        // SAFETY: the context is this backend's (retained in `with_layout`).
+        let current = unsafe { sys::cuCtxSetCurrent(self.ctx) };
+        check(current, "cuCtxSetCurrent").map_err(CopyFailure::Recoverable)?;
+        // Nothing is enqueued yet: failing to get a lane is recoverable.
+        let lane = self.take_lane().map_err(CopyFailure::Recoverable)?;
+        // SAFETY: the context is current; `copy_runs` proved every run lies
+        // inside its buffer and the mapping; `pool` keeps the mapping alive
+        // until `drain` below returns, and when draining fails the lane is
+        // leaked and the engine leaks the mapping (InFlight).
+        let enqueued =
+            unsafe { self.enqueue(&lane, plan.direction, &runs, pool.as_ptr(), producer_event) };
+        // Always drain, even when enqueueing failed half-way (spec §9.2 step 9).
+        if let Err(why) = self.drain(&lane) {
+            // The lane's stream may still run a DMA: it is not returned to
+            // `lanes`, so it is never reused or destroyed (its handles leak).
+            let done = match &enqueued {
+                Ok(n) | Err((n, _)) => *n,
+            };
             return Err(CopyFailure::InFlight(format!(
-                "cuStreamSynchronize failed ({synced:?}) after enqueueing {} copies",
-                enqueued.as_ref().map_or(0, |n| *n)
+                "{why} after enqueueing {done} of {} copies",
+                runs.len()
             )));
         }
-        enqueued.map(|_| ()).map_err(CopyFailure::Recoverable)
+        self.lanes.lock().push(lane);
+        enqueued
+            .map(|_| ())
+            .map_err(|(_, e)| CopyFailure::Recoverable(e))
     }
 }

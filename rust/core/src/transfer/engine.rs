@@ -15,7 +15,8 @@ use super::backend::{CopyBackend, CopyFailure, Registration};
 use super::plan::{self, Direction};
 use super::sidecar::{LeaseAnswer, LeaseApi, LeaseCall};
 use crate::error::{Error, ErrorKind, Result};
-use crate::manifest::{Manifest, PayloadSchema};
+use crate::json;
+use crate::manifest::{CheckpointPayload, Manifest, PayloadSchema};
 use crate::service::{Capabilities, Lease, LeaseStatus};
 use crate::store::shm::ShmPool;
 
@@ -28,8 +29,10 @@ pub struct EngineConfig {
     pub max_pending: usize,
     /// Bound of every lease RPC and of the busy/pending waits.
     pub rpc_timeout: Duration,
-    /// The worker's address-free byte layout; when set, a job whose manifest
-    /// payload carries a different `worker_layout` is refused before leasing.
+    /// The worker's address-free byte layout (a JSON object of the identity
+    /// domain: no floats); when set, every job's payload must be a schema-2
+    /// [`CheckpointPayload`] whose `worker_layout` equals it, or the job is
+    /// refused before leasing.
     pub layout: Option<serde_json::Value>,
 }
 
@@ -45,7 +48,8 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
-    fn check(&self) -> Result<()> {
+    /// Checks the settings; returns the bound layout, converted once.
+    fn check(&self) -> Result<Option<json::Value>> {
         if self.workers == 0 || self.workers > 64 {
             return Err(Error::invalid(format!(
                 "workers must be in 1..=64, got {}",
@@ -63,7 +67,16 @@ impl EngineConfig {
                 "rpc_timeout must be positive and at most one day",
             ));
         }
-        Ok(())
+        match &self.layout {
+            None => Ok(None),
+            Some(l @ serde_json::Value::Object(_)) => json::Value::from_serde(l)
+                .map(Some)
+                .map_err(|e| Error::invalid(format!("the worker layout: {e}"))),
+            Some(_) => Err(Error::invalid(
+                "the worker layout must be a JSON object (it is compared with manifests' \
+                 worker_layout)",
+            )),
+        }
     }
 }
 
@@ -207,6 +220,8 @@ struct Inner {
     api: Box<dyn LeaseApi>,
     backend: Arc<dyn CopyBackend>,
     config: EngineConfig,
+    /// `config.layout`, converted once (compared with parsed payloads).
+    bound_layout: Option<json::Value>,
     queue: Mutex<Queue>,
     /// Signals new work (copy threads) and idleness (close / wait_idle).
     changed: Condvar,
@@ -241,8 +256,7 @@ impl TransferEngine {
         backend: Arc<dyn CopyBackend>,
         config: EngineConfig,
     ) -> Result<TransferEngine> {
-        config.check()?;
-        super::backend::check_shape(backend.shape())?;
+        let bound_layout = config.check()?;
         let inner = Arc::new(Inner {
             api,
             backend,
@@ -260,6 +274,7 @@ impl TransferEngine {
             remapping: Mutex::new(()),
             remaps: Mutex::new(0),
             config,
+            bound_layout,
         });
         inner.mapped()?;
         let mut threads = Vec::new();
@@ -724,13 +739,13 @@ impl Inner {
                 "not started: the transfer engine is unsafe ({reason})"
             ))));
         }
-        let schema = self.check(job).map_err(Outcome::Failed)?;
+        let (schema, groups) = self.check(job).map_err(Outcome::Failed)?;
         let mapped = self.mapped().map_err(Outcome::Failed)?;
         let (lease, lease_id) = match job.direction {
             Direction::Store => self.lease_store(job)?,
             Direction::Retrieve => self.lease_retrieve(job)?,
         };
-        match self.checked_plan(job, &schema, &lease, &mapped) {
+        match self.checked_plan(job, &schema, &groups, &lease, &mapped) {
             Ok(plan) => Ok(Leased {
                 lease_id,
                 plan,
@@ -888,25 +903,35 @@ impl Inner {
         }
     }
 
-    /// Everything that can be checked before a lease exists.
-    fn check(&self, job: &Job) -> Result<PayloadSchema> {
-        if let Some(layout) = &self.config.layout {
-            let payload: serde_json::Value = serde_json::from_slice(job.manifest.payload())
-                .map_err(|e| Error::invalid(format!("manifest payload is not JSON: {e}")))?;
-            match payload.get("worker_layout") {
-                Some(found) if found == layout => {}
-                found => {
+    /// Everything that can be checked before a lease exists: the payload
+    /// (parsed once), its worker layout against the bound one, and the
+    /// block ids against the bound page layout. Returns the page groups and
+    /// each one's layout group.
+    fn check(&self, job: &Job) -> Result<(PayloadSchema, Vec<usize>)> {
+        let schema = match &self.bound_layout {
+            Some(bound) => {
+                let payload = CheckpointPayload::parse(job.manifest.payload()).map_err(|e| {
+                    Error::invalid(format!(
+                        "target/draft byte layout does not match: the manifest's payload is not \
+                         a checkpoint payload this worker can check ({e}); this worker is bound \
+                         to {}",
+                        bound.to_canonical_utf8()
+                    ))
+                })?;
+                if &payload.worker_layout != bound {
                     return Err(Error::invalid(format!(
-                        "target/draft byte layout does not match: the manifest has {}, this worker \
-                         is bound to {layout}",
-                        found.map_or("no worker_layout".to_string(), |v| v.to_string())
+                        "target/draft byte layout does not match: the manifest has {}, this \
+                         worker is bound to {}",
+                        payload.worker_layout.to_canonical_utf8(),
+                        bound.to_canonical_utf8()
                     )));
                 }
+                payload.into_schema()
             }
-        }
-        let schema = job.manifest.payload_schema()?;
-        plan::check_job(&schema, &job.block_ids, self.backend.shape())?;
-        Ok(schema)
+            None => job.manifest.payload_schema()?,
+        };
+        let groups = plan::check_job(&schema, &job.block_ids, self.backend.layout())?;
+        Ok((schema, groups))
     }
 
     /// The pool-replacement check (spec §9.2 step 6) and the lease validation.
@@ -914,6 +939,7 @@ impl Inner {
         &self,
         job: &Job,
         schema: &PayloadSchema,
+        groups: &[usize],
         lease: &Lease,
         mapped: &Arc<Mapped>,
     ) -> Result<plan::CopyPlan> {
@@ -929,6 +955,7 @@ impl Inner {
             job.direction,
             schema,
             &job.block_ids,
+            groups,
             lease,
             &mapped.caps,
             &mapped.pool,

@@ -1,5 +1,10 @@
-//! Worker transfers: background copies between a worker's page pool and the
+//! Worker transfers: background copies between a worker's KV memory and the
 //! sidecar's shared memory (spec `storage-and-transfer.md` §6.2, §7, §9).
+//!
+//! The worker's memory is described by a [`PageLayout`] ([`layout`]): a
+//! contiguous `[num_blocks, page_bytes]` pool (the boundary fork), or
+//! buffers (per-layer KV-cache tensors, stock vLLM) and per-group region
+//! templates, where one page is several byte regions.
 //!
 //! One [`TransferEngine`] per worker rank owns a bounded admission queue
 //! (`max_pending` jobs, queued or in progress) and a two-stage pipeline of
@@ -10,9 +15,12 @@
 //! copies can use. A [`Job`] is one rank's pages of one generation in
 //! one [`Direction`]. Its life:
 //!
-//! 1. **Check** before any lease: the manifest's `worker_layout` equals the
-//!    bound layout; page groups match the block ids (widths, counts, `0 < id
-//!    < num_blocks`, ids distinct) — [`plan::check_job`].
+//! 1. **Check** before any lease: the manifest's payload is parsed once
+//!    ([`crate::manifest::CheckpointPayload`] when a layout is bound) and its
+//!    `worker_layout` equals the bound layout; page groups match the block
+//!    ids and the bound [`PageLayout`] (group names, widths, counts, `0 < id
+//!    < num_blocks`, ids distinct, no two pages sharing bytes) —
+//!    [`plan::check_job`].
 //! 2. **Map**: the sidecar's pool is opened by name (never created or
 //!    unlinked), checked against the capabilities, and mapped again when the
 //!    sidecar recreated it (restart).
@@ -39,13 +47,14 @@
 mod backend;
 pub mod cuda;
 mod engine;
+pub mod layout;
 pub mod plan;
 mod sidecar;
 
 pub use backend::{
-    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, check_runs,
-    contiguous_runs,
+    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, copy_runs,
 };
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, Outcome, TransferEngine};
-pub use plan::{CopyPlan, Direction, PageCopy, PoolShape};
+pub use layout::{GroupLayout, PageLayout, PoolShape, RegionTemplate};
+pub use plan::{CopyPlan, Direction, PageCopy};
 pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};

@@ -2,11 +2,12 @@
 //!
 //! A job is checked twice. [`check_job`] runs before any lease is requested:
 //! the manifest's page groups against the job's block ids and the bound page
-//! pool (widths, counts, bounds, block 0, distinct ids). [`plan_copy`] runs
-//! when the sidecar lends slots: the lease against the mapped pool (pool
-//! identity and size, slot counts, widths, bounds, no overlap). Only a plan
-//! that passed both reaches a copy backend, so a malformed lease can never
-//! make a backend touch memory outside the slots it was lent.
+//! layout (group names, widths, counts, bounds, block 0, distinct ids, no two
+//! pages sharing bytes). [`plan_copy`] runs when the sidecar lends slots: the
+//! lease against the mapped pool (pool identity and size, slot counts,
+//! widths, bounds, no overlap). Only a plan that passed both reaches a copy
+//! backend, so a malformed lease can never make a backend touch memory
+//! outside the slots it was lent.
 
 use std::collections::HashSet;
 
@@ -14,6 +15,8 @@ use crate::error::{Error, Result};
 use crate::manifest::PayloadSchema;
 use crate::service::{Capabilities, Lease, LeaseStatus};
 use crate::store::shm::ShmPool;
+
+use super::layout::PageLayout;
 
 /// Which way a job copies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -47,31 +50,26 @@ impl Direction {
     }
 }
 
-/// The geometry of a bound page pool: `num_blocks` rows of `page_bytes`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolShape {
-    /// Number of rows; row 0 is the null page and is never touched.
-    pub num_blocks: u64,
-    /// Width of every row in bytes.
-    pub page_bytes: u64,
-}
-
-/// One page to move: a page-pool row and its shared-memory slot.
+/// One page to move: a page of one group at one block, and its
+/// shared-memory slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PageCopy {
-    /// Row of the page pool (never 0).
+    /// The page's group in the bound layout ([`PageLayout::resolve`]).
+    pub group: usize,
+    /// The physical block (never 0).
     pub block: u64,
     /// Byte offset of the slot in the shared-memory pool.
     pub shm_offset: u64,
+    /// Bytes of the page (the group's page width).
+    pub page_bytes: u64,
 }
 
-/// A validated copy: every page lies inside both pools, no two slots overlap.
+/// A validated copy: every page lies inside the bound memory and the
+/// shared memory, no two slots overlap, no two pages share bound bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CopyPlan {
     /// Which way the bytes move.
     pub direction: Direction,
-    /// Bytes of every page (the pool's row width).
-    pub page_bytes: u64,
     /// Pages to copy, in manifest group/page order.
     pub pages: Vec<PageCopy>,
     /// Store pages already resident in the sidecar (nothing to copy).
@@ -81,13 +79,27 @@ pub struct CopyPlan {
 impl CopyPlan {
     /// Bytes this plan moves.
     pub fn bytes(&self) -> u64 {
-        self.pages.len() as u64 * self.page_bytes
+        self.pages.iter().map(|p| p.page_bytes).sum()
     }
 }
 
-/// Checks a job's block ids against its manifest and the bound pool
-/// (spec §9.2 steps 2–4), before any lease is requested.
-pub fn check_job(schema: &PayloadSchema, block_ids: &[Vec<u64>], shape: PoolShape) -> Result<()> {
+/// Checks a job's block ids against its manifest and the bound layout
+/// (spec §9.2 steps 2–4), before any lease is requested, and returns the
+/// layout group of every manifest group (in manifest order).
+///
+/// Refused: a group count or position count that differs from the block
+/// ids; a manifest group the layout has no template for; a page width other
+/// than the template's; a block id outside `1..num_blocks` (0 is the null
+/// block); a block id used twice; and any two pages of the job whose bytes
+/// in the bound memory overlap. The last rule is the real safety rule (a
+/// retrieve must never write one byte twice, and a store that reads one byte
+/// into two pages names the wrong blocks); with a 2-D pool it follows from
+/// distinct ids, with region layouts it must be computed.
+pub fn check_job(
+    schema: &PayloadSchema,
+    block_ids: &[Vec<u64>],
+    layout: &PageLayout,
+) -> Result<Vec<usize>> {
     let groups = &schema.page_groups;
     if groups.len() != block_ids.len() {
         return Err(Error::invalid(format!(
@@ -96,12 +108,31 @@ pub fn check_job(schema: &PayloadSchema, block_ids: &[Vec<u64>], shape: PoolShap
             block_ids.len()
         )));
     }
+    let num_blocks = layout.num_blocks();
     let mut seen = HashSet::new();
+    let mut resolved = Vec::with_capacity(groups.len());
     for (group, ids) in groups.iter().zip(block_ids) {
-        if group.page_bytes != shape.page_bytes {
+        let Some((index, template)) = layout
+            .resolve(&group.name)
+            .and_then(|i| layout.group(i).map(|t| (i, t)))
+        else {
             return Err(Error::invalid(format!(
-                "page group {:?} has {}-byte pages but the page pool's rows are {} bytes wide",
-                group.name, group.page_bytes, shape.page_bytes
+                "page group {:?} is not in this worker's page layout (it lays out {})",
+                group.name,
+                group_names(layout)
+            )));
+        };
+        if group.page_bytes != template.page_bytes() {
+            let what = if layout.pool_shape().is_some() {
+                "the page pool's rows are"
+            } else {
+                "this worker's regions of that group are"
+            };
+            return Err(Error::invalid(format!(
+                "page group {:?} has {}-byte pages but {what} {} bytes wide",
+                group.name,
+                group.page_bytes,
+                template.page_bytes()
             )));
         }
         if group.positions.len() != ids.len() {
@@ -113,10 +144,11 @@ pub fn check_job(schema: &PayloadSchema, block_ids: &[Vec<u64>], shape: PoolShap
             )));
         }
         for &id in ids {
-            if id == 0 || id >= shape.num_blocks {
+            if id == 0 || id >= num_blocks {
                 return Err(Error::invalid(format!(
-                    "block id {id} of page group {:?} is outside 1..{} (block 0 is the null page)",
-                    group.name, shape.num_blocks
+                    "block id {id} of page group {:?} is outside 1..{num_blocks} (block 0 is the \
+                     null page)",
+                    group.name
                 )));
             }
             if !seen.insert(id) {
@@ -124,6 +156,64 @@ pub fn check_job(schema: &PayloadSchema, block_ids: &[Vec<u64>], shape: PoolShap
                     "block id {id} appears twice: page groups must own distinct physical pages"
                 )));
             }
+        }
+        resolved.push(index);
+    }
+    check_no_overlap(schema, block_ids, layout, &resolved)?;
+    Ok(resolved)
+}
+
+/// The first names of a layout's groups, for messages.
+fn group_names(layout: &PageLayout) -> String {
+    const SHOWN: usize = 16;
+    let names: Vec<String> = layout
+        .groups()
+        .iter()
+        .filter_map(|g| g.name())
+        .take(SHOWN)
+        .map(|n| format!("{n:?}"))
+        .collect();
+    let more = layout.groups().len().saturating_sub(SHOWN);
+    if more > 0 {
+        format!("{} and {more} more", names.join(", "))
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Refuses a job two of whose pages share bytes of the bound memory: the
+/// job's actual regions, sorted by (buffer, start), must not overlap.
+/// Buffers are disjoint (checked when the backend was built), so comparing
+/// within each buffer covers all memory.
+fn check_no_overlap(
+    schema: &PayloadSchema,
+    block_ids: &[Vec<u64>],
+    layout: &PageLayout,
+    resolved: &[usize],
+) -> Result<()> {
+    // (buffer, start, end, manifest group, block)
+    let mut regions: Vec<(usize, u64, u64, usize, u64)> = Vec::new();
+    for (g, (ids, &index)) in block_ids.iter().zip(resolved).enumerate() {
+        let Some(template) = layout.group(index) else {
+            continue; // resolved by check_job from this layout
+        };
+        for &block in ids {
+            for (buffer, start, len) in template.regions_at(block) {
+                regions.push((buffer, start, start.saturating_add(len), g, block));
+            }
+        }
+    }
+    regions.sort_unstable();
+    for w in regions.windows(2) {
+        let ((buf_a, _, end_a, g_a, b_a), (buf_b, start_b, _, g_b, b_b)) = (w[0], w[1]);
+        if buf_a == buf_b && start_b < end_a {
+            let name = |g: usize| schema.page_groups.get(g).map_or("?", |p| p.name.as_str());
+            return Err(Error::invalid(format!(
+                "the job's pages overlap in this worker's memory: block {b_a} of page group {:?} \
+                 and block {b_b} of page group {:?} share bytes of buffer {buf_a}",
+                name(g_a),
+                name(g_b)
+            )));
         }
     }
     Ok(())
@@ -152,10 +242,14 @@ pub fn check_pool(caps: &Capabilities, pool: &ShmPool) -> Result<()> {
 
 /// Validates a ready lease against the mapped pool and the job and returns
 /// the pages to copy (spec §6.2): nothing is copied unless all of it holds.
+///
+/// `groups` is what [`check_job`] returned for this job (the layout group of
+/// every manifest group).
 pub fn plan_copy(
     direction: Direction,
     schema: &PayloadSchema,
     block_ids: &[Vec<u64>],
+    groups: &[usize],
     lease: &Lease,
     caps: &Capabilities,
     pool: &ShmPool,
@@ -168,6 +262,7 @@ pub fn plan_copy(
             lease.status.as_str()
         )));
     }
+    let layout_groups = groups;
     let groups = &schema.page_groups;
     if lease.slots.len() != groups.len() {
         return Err(Error::invalid(format!(
@@ -176,10 +271,22 @@ pub fn plan_copy(
             groups.len()
         )));
     }
-    let page_bytes = groups.first().map_or(0, |g| g.page_bytes);
+    if block_ids.len() != groups.len() || layout_groups.len() != groups.len() {
+        return Err(Error::invalid(format!(
+            "the job lists {} block-id groups and {} layout groups for {} page groups",
+            block_ids.len(),
+            layout_groups.len(),
+            groups.len()
+        )));
+    }
     let mut pages = Vec::new();
     let mut skipped = 0;
-    for ((group, slots), ids) in groups.iter().zip(&lease.slots).zip(block_ids) {
+    for (((group, slots), ids), &layout_group) in groups
+        .iter()
+        .zip(&lease.slots)
+        .zip(block_ids)
+        .zip(layout_groups)
+    {
         if slots.len() != group.positions.len() || slots.len() != ids.len() {
             return Err(Error::invalid(format!(
                 "the lease has {} slots for page group {:?}, which has {} positions",
@@ -209,21 +316,26 @@ pub fn plan_copy(
                 )));
             }
             pages.push(PageCopy {
+                group: layout_group,
                 block,
                 shm_offset: offset,
+                page_bytes: length,
             });
         }
     }
-    let mut ranges: Vec<u64> = pages.iter().map(|p| p.shm_offset).collect();
+    // (start, end): every end was checked not to overflow above.
+    let mut ranges: Vec<(u64, u64)> = pages
+        .iter()
+        .map(|p| (p.shm_offset, p.shm_offset + p.page_bytes))
+        .collect();
     ranges.sort_unstable();
-    if ranges.windows(2).any(|w| w[1] - w[0] < page_bytes) {
+    if ranges.windows(2).any(|w| w[1].0 < w[0].1) {
         return Err(Error::invalid(
             "the lease's slots must not overlap: two pages share shared-memory bytes",
         ));
     }
     Ok(CopyPlan {
         direction,
-        page_bytes,
         pages,
         skipped,
     })
