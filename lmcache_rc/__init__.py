@@ -3,7 +3,8 @@
 The public API is re-exported here (``import lmcache_rc as rc``):
 
 - identity: :func:`checkpoint_namespace`, :class:`TokenRoots`, :class:`Prefix`,
-  :func:`checkpoint_generation`, :class:`Manifest`;
+  :func:`checkpoint_generation`, :class:`Manifest`, and the typed schema-2
+  payload :class:`CheckpointPayload` (canonical bytes, one set of rules);
 - the durable directory on its own: :class:`Directory`;
 - the checkpoint service in process: :class:`CheckpointService` configured by
   :class:`ServerConfig`, answering :class:`Lease` objects;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from lmcache_rc import errors
 from lmcache_rc._native import (
+    CheckpointPayload,
     CheckpointService,
     Client,
     Directory,
@@ -39,6 +41,7 @@ from lmcache_rc._native import (
 from lmcache_rc.config import ServerConfig
 
 __all__ = [
+    "CheckpointPayload",
     "CheckpointService",
     "Client",
     "Directory",

@@ -13,6 +13,7 @@ import numpy.typing as npt
 __version__: str
 
 __all__ = [
+    "CheckpointPayload",
     "CheckpointService",
     "Client",
     "Directory",
@@ -107,6 +108,45 @@ class Manifest:
     def __eq__(self, value: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __reduce__(self) -> tuple[type[Manifest], tuple[str, Prefix, int, bytes]]: ...
+
+@final
+class CheckpointPayload:
+    """The typed schema-2 checkpoint payload (canonical bytes, one set of rules)."""
+
+    def __new__(
+        cls,
+        *,
+        worker_layout: Mapping[str, _IdentityValue],
+        page_groups: Iterable[Mapping[str, Any]],
+        draft_prefix_len: int | None = None,
+        kind: str | None = None,
+        num_tokens: int | None = None,
+    ) -> CheckpointPayload: ...
+    @staticmethod
+    def build(
+        *,
+        worker_layout: Mapping[str, _IdentityValue],
+        page_groups: Iterable[Mapping[str, Any]],
+        draft_prefix_len: int | None = None,
+        kind: str | None = None,
+        num_tokens: int | None = None,
+    ) -> bytes: ...
+    @staticmethod
+    def parse(payload: bytes) -> CheckpointPayload: ...
+    def to_bytes(self) -> bytes: ...
+    @property
+    def schema_version(self) -> int: ...
+    @property
+    def worker_layout(self) -> dict[str, Any]: ...
+    @property
+    def page_groups(self) -> list[dict[str, Any]]: ...
+    @property
+    def draft_prefix_len(self) -> int | None: ...
+    @property
+    def kind(self) -> str | None: ...
+    @property
+    def num_tokens(self) -> int | None: ...
+    def __eq__(self, value: object, /) -> bool: ...
 
 @final
 class Directory:
@@ -279,6 +319,31 @@ class TransferEngine:
         layout: Mapping[str, Any] | None = None,
     ) -> TransferEngine: ...
     @staticmethod
+    def cpu_regions(
+        socket_path: str | os.PathLike[str],
+        buffers: Sequence[npt.NDArray[np.uint8] | tuple[object, int, int]],
+        groups: Mapping[str, Iterable[Sequence[int]]],
+        num_blocks: int,
+        *,
+        workers: int = 2,
+        max_pending: int = 16,
+        rpc_timeout: float = 30.0,
+        layout: Mapping[str, Any] | None = None,
+    ) -> TransferEngine: ...
+    @staticmethod
+    def cuda_regions(
+        socket_path: str | os.PathLike[str],
+        buffers: Sequence[tuple[object, int, int]],
+        groups: Mapping[str, Iterable[Sequence[int]]],
+        num_blocks: int,
+        *,
+        device: int = 0,
+        workers: int = 2,
+        max_pending: int = 16,
+        rpc_timeout: float = 30.0,
+        layout: Mapping[str, Any] | None = None,
+    ) -> TransferEngine: ...
+    @staticmethod
     def check_cuda_driver() -> None: ...
     def submit(
         self,
@@ -293,7 +358,9 @@ class TransferEngine:
     @property
     def num_blocks(self) -> int: ...
     @property
-    def page_bytes(self) -> int: ...
+    def page_bytes(self) -> int | None: ...
+    @property
+    def group_page_bytes(self) -> dict[str, int]: ...
     @property
     def is_unsafe(self) -> bool: ...
     @property

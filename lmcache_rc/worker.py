@@ -1,7 +1,7 @@
 """Worker-rank glue between a vLLM worker (or the simulated engine) and the
 transfer engine.
 
-One :class:`CheckpointWorker` per worker rank binds the rank's page pool and
+One :class:`CheckpointWorker` per worker rank binds the rank's KV memory and
 address-free byte layout, submits the scheduler's checkpoint tasks to an
 ``lmcache_rc.TransferEngine`` and reports exactly one boolean per task for
 the worker metadata (spec ``storage-and-transfer.md`` §7.4):
@@ -17,6 +17,11 @@ the worker metadata (spec ``storage-and-transfer.md`` §7.4):
 The worker keeps each task's future (and with it the engine's reference to
 the page pool) until its result was collected, so the caller can release its
 block pins exactly when the result is known.
+
+KV memory comes in two forms: the boundary fork's contiguous
+``[num_blocks, page_bytes]`` page pool, or :class:`PageRegions` for stock
+vLLM's per-layer KV-cache tensors, where one block of one KV-cache group is
+a set of byte regions (one or more per tensor).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,7 +40,7 @@ import numpy as np
 from . import _native
 from .errors import UnsafeCopy
 
-__all__ = ["CheckpointWorker"]
+__all__ = ["CheckpointWorker", "PageRegions", "Region"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +54,128 @@ SEEN_TASK_IDS = 65536
 _KEPT_UNTIL_EXIT: list[Any] = []
 
 
+Region = tuple[int, int, int, int]
+"""One region template: ``(buffer, offset, block_stride, length)``."""
+
+
+def _exact_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class PageRegions:
+    """KV memory made of several buffers, with pages made of byte regions.
+
+    The page of group ``name`` at block ``b`` is the concatenation, in
+    template order, of ``buffers[i][offset + b * block_stride:][:length]``
+    for every template ``(i, offset, block_stride, length)`` in
+    ``groups[name]``; manifest page groups are matched by name. This is how
+    stock vLLM lays out a block of one KV-cache group: one or more regions
+    per KV-cache tensor (K and V halves with a stride; attention and Mamba
+    groups sharing a tensor). Block 0 is the null block and is never touched.
+
+    ``buffers`` are all host memory — 1-D (or any C-contiguous) writable
+    numpy ``uint8`` arrays or contiguous torch CPU tensors (any dtype; their
+    bytes are used) — or all contiguous CUDA tensors on one device. They must
+    not overlap: pass each KV-cache allocation once and describe shared bytes
+    with templates. The transfer engine checks at bind time that every
+    template stays inside its buffer for every block below ``num_blocks``.
+    """
+
+    buffers: Sequence[Any]
+    groups: Mapping[str, Sequence[Sequence[int]]]
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        buffers, groups = self.buffers, self.groups
+        if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Sequence) or not buffers:
+            raise ValueError("buffers must be a non-empty sequence of arrays or tensors")
+        if not isinstance(groups, Mapping) or not groups:
+            raise ValueError("groups must be a non-empty mapping {name: [region, ...]}")
+        _exact_int(self.num_blocks, "num_blocks")
+        frozen: dict[str, tuple[Region, ...]] = {}
+        for name, regions in groups.items():
+            if not isinstance(name, str):
+                raise ValueError(f"group names must be str, got {name!r}")
+            out: list[Region] = []
+            for region in regions:
+                if len(region) != 4:
+                    raise ValueError(
+                        f"a region of group {name!r} must be (buffer, offset, block_stride, "
+                        f"length), got {region!r}"
+                    )
+                b, o, s, n = (_exact_int(v, f"a region field of group {name!r}") for v in region)
+                out.append((b, o, s, n))
+            frozen[name] = tuple(out)
+        # Frozen: store immutable copies, so the layout cannot change after
+        # an engine was bound to it.
+        object.__setattr__(self, "buffers", tuple(buffers))
+        object.__setattr__(self, "groups", frozen)
+
+
 def _is_cuda_tensor(pool: object) -> bool:
     """Whether ``pool`` is a torch tensor on a CUDA device (torch not imported)."""
     return bool(getattr(pool, "is_cuda", False)) and hasattr(pool, "data_ptr")
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    """Whether ``obj`` is a torch tensor (checked without importing torch)."""
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def _tensor_buffer(t: Any, index: int) -> tuple[Any, int, int]:
+    """``(tensor, data_ptr, nbytes)`` of a contiguous torch tensor."""
+    if not t.is_contiguous():
+        raise ValueError(f"buffer {index} (a torch tensor) must be contiguous")
+    return (t, int(t.data_ptr()), int(t.numel()) * int(t.element_size()))
+
+
+def _regions_engine(
+    socket_path: str,
+    regions: PageRegions,
+    workers: int,
+    max_pending: int,
+    rpc_timeout: float,
+    layout: dict[str, Any],
+) -> _native.TransferEngine:
+    """A cpu- or cuda-backend engine over ``regions`` (by the buffers' device)."""
+    groups = {name: list(r) for name, r in regions.groups.items()}
+    options: dict[str, Any] = {
+        "workers": workers,
+        "max_pending": max_pending,
+        "rpc_timeout": rpc_timeout,
+        "layout": layout,
+    }
+    cuda = [_is_cuda_tensor(b) for b in regions.buffers]
+    if all(cuda):
+        devices = {int(b.device.index or 0) for b in regions.buffers}
+        if len(devices) != 1:
+            raise ValueError(f"CUDA buffers must all be on one device, got devices {devices}")
+        buffers = [_tensor_buffer(b, i) for i, b in enumerate(regions.buffers)]
+        return _native.TransferEngine.cuda_regions(
+            socket_path, buffers, groups, regions.num_blocks, device=devices.pop(), **options
+        )
+    if any(cuda):
+        raise ValueError("buffers must be all host memory or all CUDA tensors, not a mix")
+    host: list[np.ndarray[Any, Any] | tuple[Any, int, int]] = []
+    for i, b in enumerate(regions.buffers):
+        if isinstance(b, np.ndarray):
+            if b.dtype != np.uint8:
+                raise ValueError(f"buffer {i} must be a uint8 numpy array, got {b.dtype}")
+            host.append(b)
+        elif _is_torch_tensor(b):
+            if str(b.device) != "cpu":
+                raise ValueError(f"buffer {i} is a torch tensor on {b.device}, not the CPU")
+            host.append(_tensor_buffer(b, i))
+        else:
+            raise ValueError(
+                f"buffer {i} must be a numpy uint8 array or a torch tensor, got {type(b).__name__}"
+            )
+    return _native.TransferEngine.cpu_regions(
+        socket_path, host, groups, regions.num_blocks, **options
+    )
 
 
 def _cuda_engine(
@@ -83,14 +208,21 @@ def _cuda_engine(
 class CheckpointWorker:
     """Submits one worker rank's checkpoint copies and collects their results.
 
-    ``page_pool`` is the rank's page pool, ``[num_blocks, page_bytes]`` of
-    ``uint8`` whose row 0 is the null page: a C-contiguous, writable numpy
-    array (the cpu backend), or a contiguous CUDA tensor (the cuda backend:
-    copies run on the GPU's DMA engines after the task's producer event; the
-    worker keeps a reference to the tensor). ``layout`` must contain ``page_bytes`` equal to the
-    pool's row width; a manifest whose ``worker_layout`` differs is refused
-    before any lease. The engine connects to the sidecar at ``socket_path``
-    and maps its shared-memory pool at once, so a wrong socket fails here.
+    ``page_pool`` is the rank's KV memory, either
+
+    * a page pool ``[num_blocks, page_bytes]`` of ``uint8`` whose row 0 is the
+      null page: a C-contiguous, writable numpy array (the cpu backend), or a
+      contiguous CUDA tensor (the cuda backend: copies run on the GPU's DMA
+      engines after the task's producer event); ``layout`` must then contain
+      ``page_bytes`` equal to the pool's row width; or
+    * :class:`PageRegions`: buffers (host arrays/tensors → cpu backend, CUDA
+      tensors → cuda backend) and per-group region templates.
+
+    The worker keeps a reference to the pool / every buffer. ``layout`` is
+    the address-free layout descriptor; a manifest whose ``worker_layout``
+    differs is refused before any lease. The engine connects to the sidecar
+    at ``socket_path`` and maps its shared-memory pool at once, so a wrong
+    socket fails here.
     """
 
     def __init__(
@@ -109,35 +241,44 @@ class CheckpointWorker:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
-        if not isinstance(layout, Mapping) or "page_bytes" not in layout:
-            raise ValueError("layout must be a mapping that includes page_bytes")
-        cuda = _is_cuda_tensor(page_pool)
-        if not cuda and (not isinstance(page_pool, np.ndarray) or page_pool.ndim != 2):
-            raise ValueError(
-                "page_pool must be a 2-D uint8 numpy array or CUDA tensor [num_blocks, page_bytes]"
-            )
-        if layout["page_bytes"] != page_pool.shape[1]:
-            raise ValueError(
-                f"layout page_bytes {layout['page_bytes']!r} differs from the page pool's row "
-                f"width {page_pool.shape[1]}"
-            )
+        if not isinstance(layout, Mapping):
+            raise ValueError("layout must be a mapping")
         self.rank = rank
         self.world_size = world_size
         self.layout: dict[str, Any] = copy.deepcopy(dict(layout))
         self._pool = page_pool
-        if cuda:
-            self._engine = _cuda_engine(
-                os.fspath(socket_path), page_pool, workers, max_pending, rpc_timeout, self.layout
+        socket = os.fspath(socket_path)
+        if isinstance(page_pool, PageRegions):
+            self._engine = _regions_engine(
+                socket, page_pool, workers, max_pending, rpc_timeout, self.layout
             )
         else:
-            self._engine = _native.TransferEngine(
-                os.fspath(socket_path),
-                page_pool,
-                workers=workers,
-                max_pending=max_pending,
-                rpc_timeout=rpc_timeout,
-                layout=self.layout,
-            )
+            if "page_bytes" not in layout:
+                raise ValueError("layout must be a mapping that includes page_bytes")
+            cuda = _is_cuda_tensor(page_pool)
+            if not cuda and (not isinstance(page_pool, np.ndarray) or page_pool.ndim != 2):
+                raise ValueError(
+                    "page_pool must be a 2-D uint8 numpy array or CUDA tensor "
+                    "[num_blocks, page_bytes], or PageRegions"
+                )
+            if layout["page_bytes"] != page_pool.shape[1]:
+                raise ValueError(
+                    f"layout page_bytes {layout['page_bytes']!r} differs from the page pool's "
+                    f"row width {page_pool.shape[1]}"
+                )
+            if cuda:
+                self._engine = _cuda_engine(
+                    socket, page_pool, workers, max_pending, rpc_timeout, self.layout
+                )
+            else:
+                self._engine = _native.TransferEngine(
+                    socket,
+                    page_pool,
+                    workers=workers,
+                    max_pending=max_pending,
+                    rpc_timeout=rpc_timeout,
+                    layout=self.layout,
+                )
         self._lock = threading.Lock()
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._running: dict[str, _native.TransferFuture] = {}

@@ -37,6 +37,7 @@ mod store_shm;
 mod transfer_common;
 mod transfer_cuda;
 mod transfer_faults;
+mod transfer_regions;
 mod transfer_remap;
 mod transfer_review;
 mod transfer_roundtrip;

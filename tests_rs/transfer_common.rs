@@ -118,6 +118,37 @@ impl HostPool {
         };
     }
 
+    /// A copy of `len` bytes at `offset` (any buffer, not only rows).
+    pub fn read_at(&self, offset: u64, len: u64) -> Vec<u8> {
+        assert!(offset + len <= self.len() as u64, "read past the buffer");
+        let mut out = vec![0u8; len as usize];
+        // SAFETY: the range lies inside the allocation; `out` is separate memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base().add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        out
+    }
+
+    /// Overwrites `bytes.len()` bytes at `offset`.
+    pub fn write_at(&self, offset: u64, bytes: &[u8]) {
+        assert!(
+            offset + bytes.len() as u64 <= self.len() as u64,
+            "write past the buffer"
+        );
+        // SAFETY: the range lies inside the allocation; `bytes` is separate memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.base().add(offset as usize),
+                bytes.len(),
+            )
+        };
+    }
+
     /// A copy of the whole pool.
     pub fn snapshot(&self) -> Vec<u8> {
         let mut out = vec![0u8; self.len()];

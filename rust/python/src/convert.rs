@@ -227,3 +227,44 @@ fn text(s: &Bound<'_, PyString>) -> PyResult<String> {
         invalid("checkpoint identity strings must be valid Unicode (no lone surrogates)")
     })
 }
+
+/// Converts a JSON value of the identity domain back to Python (`dict`,
+/// `list`, `str`, `int`, `bool`, `None`).
+pub fn value_to_py<'py>(py: Python<'py>, value: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Value::Int(i) => i.into_pyobject(py)?.into_any(),
+        Value::Str(s) => PyString::new(py, s).into_any(),
+        Value::List(items) => {
+            let out = PyList::empty(py);
+            for item in items {
+                out.append(value_to_py(py, item)?)?;
+            }
+            out.into_any()
+        }
+        Value::Object(map) => {
+            let out = PyDict::new(py);
+            for (k, v) in map {
+                out.set_item(k, value_to_py(py, v)?)?;
+            }
+            out.into_any()
+        }
+    })
+}
+
+/// Reads an exact non-negative integer (no bools, no floats) below 2^64.
+pub fn exact_u64(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(invalid_type(format!(
+            "{what} must be an int, got {}",
+            obj.get_type().name()?
+        )));
+    }
+    obj.extract::<u64>().map_err(|_| {
+        invalid(format!(
+            "{what} must be a non-negative integer below 2**64, got {}",
+            obj.str().map(|s| s.to_string()).unwrap_or_default()
+        ))
+    })
+}

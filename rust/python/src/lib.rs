@@ -7,6 +7,7 @@ mod convert;
 mod directory;
 mod errors;
 mod identity;
+mod payload;
 mod rpc;
 mod service;
 mod transfer;
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;
     m.add_class::<identity::PyManifest>()?;
+    m.add_class::<payload::PyCheckpointPayload>()?;
     m.add_class::<directory::PyDirectory>()?;
     m.add_class::<service::PyCheckpointService>()?;
     m.add_class::<service::PyLease>()?;

@@ -1,27 +1,38 @@
 //! `TransferEngine` and `TransferFuture`: the worker-side copy engine.
 //!
-//! The cpu backend binds a numpy array (uint8, C-contiguous, writable,
-//! `[num_blocks, page_bytes]`) and keeps a reference to it for the engine's
-//! life, so the memory cannot be freed under a copy; when the engine turns
-//! unsafe the reference is leaked on purpose (a copy may still touch it).
-//! The cuda backend binds a device address (e.g. a torch tensor's
-//! `data_ptr()`), which the caller keeps alive.
+//! Two forms of bound memory (core `transfer::layout`):
+//!
+//! - a 2-D page pool: the cpu backend binds a numpy array (uint8,
+//!   C-contiguous, writable, `[num_blocks, page_bytes]`); the cuda backend a
+//!   device address (e.g. a torch tensor's `data_ptr()`), which the caller
+//!   keeps alive;
+//! - region layouts (`cpu_regions` / `cuda_regions`): buffers plus named
+//!   groups of `(buffer, offset, block_stride, length)` region templates.
+//!   A host buffer is a numpy uint8 array or an `(owner, address, nbytes)`
+//!   triple (e.g. a torch CPU tensor and its `data_ptr()`/`nbytes`); a
+//!   device buffer is such a triple.
+//!
+//! The engine keeps a reference to every buffer object (the numpy array,
+//! the triple's owner) for its life, so the memory cannot be freed under a
+//! copy; when the engine turns unsafe the references are leaked on purpose
+//! (a copy may still touch the memory).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::rpc::{Client, ClientConfig};
 use lmcache_rc_core::transfer::{
-    CopyBackend, CpuBackend, EngineConfig, Fault, FaultQueue, Job, JobHandle, Outcome, PoolShape,
-    TransferEngine, cuda,
+    CopyBackend, CpuBackend, EngineConfig, Fault, FaultQueue, Job, JobHandle, Outcome, PageLayout,
+    PoolShape, RegionTemplate, TransferEngine, cuda,
 };
 use lmcache_rc_core::transfer::{Direction, cuda::CudaBackend};
 use lmcache_rc_core::{Error, ErrorKind};
-use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyMapping, PyString, PyTuple};
 
-use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::convert::exact_u64;
+use crate::errors::{IntoPyResult, invalid, invalid_type, to_pyerr};
 use crate::identity::PyManifest;
 use crate::service::capabilities_dict;
 
@@ -40,15 +51,128 @@ impl BackendRef {
     }
 }
 
-/// Background copies between this worker's page pool and the sidecar's
+/// Background copies between this worker's KV memory and the sidecar's
 /// shared memory (one engine per worker rank).
 #[pyclass(name = "TransferEngine", module = "lmcache_rc._native", frozen)]
 pub struct PyTransferEngine {
     engine: TransferEngine,
     backend: BackendRef,
-    shape: PoolShape,
-    /// Keeps the numpy page pool alive (cpu backend).
-    pool: Option<Py<PyAny>>,
+    layout: PageLayout,
+    /// Keeps the bound buffers' Python objects alive (leaked when unsafe).
+    owners: Vec<Py<PyAny>>,
+}
+
+/// One buffer argument: where it is, how large, and what keeps it alive.
+struct BufferArg {
+    address: u64,
+    size: u64,
+    owner: Py<PyAny>,
+}
+
+/// A host buffer: a numpy uint8 array (C-contiguous, writable), or an
+/// `(owner, address, nbytes)` triple the caller vouches for.
+fn host_buffer(index: usize, obj: &Bound<'_, PyAny>) -> PyResult<BufferArg> {
+    if let Ok(array) = obj.cast::<PyArrayDyn<u8>>() {
+        if !array.is_c_contiguous() {
+            return Err(invalid(format!("buffer {index} must be C-contiguous")));
+        }
+        let writeable: bool = array.getattr("flags")?.getattr("writeable")?.extract()?;
+        if !writeable {
+            return Err(invalid(format!("buffer {index} must be writable")));
+        }
+        return Ok(BufferArg {
+            address: array.data() as u64,
+            size: array.len() as u64,
+            owner: obj.clone().unbind(),
+        });
+    }
+    if obj.is_instance_of::<numpy::PyUntypedArray>() {
+        return Err(invalid_type(format!(
+            "buffer {index} is a numpy array of another dtype: pass uint8 arrays (e.g. \
+             `arr.view(np.uint8)`)"
+        )));
+    }
+    raw_buffer(
+        index,
+        obj,
+        "a numpy uint8 array or an (owner, address, nbytes) tuple",
+    )
+}
+
+/// An `(owner, address, nbytes)` triple: raw memory that `owner` keeps alive.
+fn raw_buffer(index: usize, obj: &Bound<'_, PyAny>, expected: &str) -> PyResult<BufferArg> {
+    let tuple = obj
+        .cast::<PyTuple>()
+        .ok()
+        .filter(|t| t.len() == 3)
+        .ok_or_else(|| {
+            invalid_type(format!(
+                "buffer {index} must be {expected}, got {}",
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+    Ok(BufferArg {
+        owner: tuple.get_item(0)?.unbind(),
+        address: exact_u64(&tuple.get_item(1)?, &format!("buffer {index}'s address"))?,
+        size: exact_u64(&tuple.get_item(2)?, &format!("buffer {index}'s nbytes"))?,
+    })
+}
+
+/// Buffers from a sequence, each through `one`.
+fn buffer_args(
+    buffers: &Bound<'_, PyAny>,
+    one: impl Fn(usize, &Bound<'_, PyAny>) -> PyResult<BufferArg>,
+) -> PyResult<Vec<BufferArg>> {
+    if buffers.is_instance_of::<PyString>() || buffers.is_instance_of::<PyMapping>() {
+        return Err(invalid_type("buffers must be a sequence"));
+    }
+    buffers
+        .try_iter()?
+        .enumerate()
+        .map(|(i, b)| one(i, &b?))
+        .collect()
+}
+
+/// `{name: [(buffer, offset, block_stride, length), ...]}` in mapping order.
+fn region_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Vec<RegionTemplate>)>> {
+    let mapping = groups.cast::<PyMapping>().map_err(|_| {
+        invalid_type("groups must be a mapping {name: [(buffer, offset, block_stride, length)]}")
+    })?;
+    let mut out = Vec::new();
+    for item in mapping.items()?.iter() {
+        let (name, regions): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+        let name = name
+            .cast::<PyString>()
+            .map_err(|_| invalid_type("group names must be str"))?
+            .to_str()?
+            .to_owned();
+        let mut templates = Vec::new();
+        for (j, region) in regions.try_iter()?.enumerate() {
+            let region = region?;
+            let what = |field: &str| format!("region {j} of group {name:?}: {field}");
+            let fields: Vec<Bound<'_, PyAny>> =
+                region.try_iter()?.collect::<PyResult<_>>().map_err(|_| {
+                    invalid_type(what("must be (buffer, offset, block_stride, length)"))
+                })?;
+            if fields.len() != 4 {
+                return Err(invalid_type(what(
+                    "must be 4 integers (buffer, offset, block_stride, length)",
+                )));
+            }
+            let buffer = exact_u64(&fields[0], &what("buffer"))?;
+            templates.push(RegionTemplate {
+                buffer: usize::try_from(buffer).unwrap_or(usize::MAX),
+                offset: exact_u64(&fields[1], &what("offset"))?,
+                block_stride: exact_u64(&fields[2], &what("block_stride"))?,
+                length: exact_u64(&fields[3], &what("length"))?,
+            });
+        }
+        out.push((name, templates));
+    }
+    Ok(out)
 }
 
 fn positive_usize(value: i64, name: &str) -> PyResult<usize> {
@@ -151,9 +275,9 @@ impl PyTransferEngine {
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
             engine,
+            layout: backend.layout().clone(),
             backend: BackendRef::Cpu(backend),
-            shape,
-            pool: Some(page_pool.clone().unbind()),
+            owners: vec![page_pool.clone().unbind()],
         })
     }
 
@@ -189,9 +313,99 @@ impl PyTransferEngine {
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
             engine,
+            layout: backend.layout().clone(),
             backend: BackendRef::Cuda(backend),
-            shape,
-            pool: None,
+            owners: Vec::new(),
+        })
+    }
+
+    /// A cpu-backend engine over region layouts: `buffers` (numpy uint8
+    /// arrays, C-contiguous and writable, or `(owner, address, nbytes)`
+    /// triples of host memory that `owner` keeps alive, e.g. a contiguous
+    /// torch CPU tensor with its `data_ptr()` and `nbytes`), `groups`
+    /// `{name: [(buffer, offset, block_stride, length), ...]}` (the page of
+    /// group `name` at block `b` is the concatenation of
+    /// `buffer[offset + b * block_stride:][:length]` over its regions), and
+    /// `num_blocks` (block 0 is never touched). Buffers must not overlap.
+    #[staticmethod]
+    #[pyo3(signature = (socket_path, buffers, groups, num_blocks, *, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cpu_regions(
+        py: Python<'_>,
+        socket_path: std::path::PathBuf,
+        buffers: &Bound<'_, PyAny>,
+        groups: &Bound<'_, PyAny>,
+        num_blocks: u64,
+        workers: i64,
+        max_pending: i64,
+        rpc_timeout: f64,
+        layout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let args = buffer_args(buffers, host_buffer)?;
+        let page_layout = region_layout(&args, groups, num_blocks)?;
+        let bases = args
+            .iter()
+            .map(|b| usize::try_from(b.address).map(|a| a as *mut u8))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| invalid("a buffer address does not fit this platform's pointers"))?;
+        // SAFETY: every buffer is a writable numpy array of `size` bytes at
+        // `address`, or raw host memory its caller vouches for (documented)
+        // and whose owner this engine keeps referenced; `owners` keeps them
+        // alive for the engine's life and is leaked if the engine turns
+        // unsafe, so they stay valid for as long as the backend can copy.
+        let backend = Arc::new(unsafe { CpuBackend::with_layout(bases, page_layout) }.py()?);
+        let client = connect(py, socket_path, rpc_timeout)?;
+        let engine = start(py, client, backend.clone(), config)?;
+        Ok(PyTransferEngine {
+            engine,
+            layout: backend.layout().clone(),
+            backend: BackendRef::Cpu(backend),
+            owners: args.into_iter().map(|b| b.owner).collect(),
+        })
+    }
+
+    /// A cuda-backend engine over region layouts: `buffers` are
+    /// `(owner, device_ptr, nbytes)` triples of device memory on device
+    /// `device` (e.g. contiguous CUDA KV-cache tensors), `groups` and
+    /// `num_blocks` as for `cpu_regions`. Raises `DeviceError` when no CUDA
+    /// driver is present.
+    #[staticmethod]
+    #[pyo3(signature = (socket_path, buffers, groups, num_blocks, *, device = 0, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_regions(
+        py: Python<'_>,
+        socket_path: std::path::PathBuf,
+        buffers: &Bound<'_, PyAny>,
+        groups: &Bound<'_, PyAny>,
+        num_blocks: u64,
+        device: i32,
+        workers: i64,
+        max_pending: i64,
+        rpc_timeout: f64,
+        layout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let args = buffer_args(buffers, |i, b| {
+            raw_buffer(i, b, "an (owner, device_ptr, nbytes) tuple")
+        })?;
+        let page_layout = region_layout(&args, groups, num_blocks)?;
+        let bases: Vec<u64> = args.iter().map(|b| b.address).collect();
+        // SAFETY: the device buffers' owners are kept referenced by this
+        // engine (and leaked if it turns unsafe); the caller vouches that
+        // each triple describes live device memory (the backend checks each
+        // is device memory covering its size).
+        let backend = Arc::new(
+            py.detach(|| unsafe { CudaBackend::with_layout(device, bases, page_layout) })
+                .py()?,
+        );
+        let client = connect(py, socket_path, rpc_timeout)?;
+        let engine = start(py, client, backend.clone(), config)?;
+        Ok(PyTransferEngine {
+            engine,
+            layout: backend.layout().clone(),
+            backend: BackendRef::Cuda(backend),
+            owners: args.into_iter().map(|b| b.owner).collect(),
         })
     }
 
@@ -251,16 +465,29 @@ impl PyTransferEngine {
         self.engine.backend_name()
     }
 
-    /// Rows of the page pool.
+    /// Blocks of the bound memory (rows of a 2-D page pool).
     #[getter]
     fn num_blocks(&self) -> u64 {
-        self.shape.num_blocks
+        self.layout.num_blocks()
     }
 
-    /// Bytes per row.
+    /// Bytes per row of a 2-D page pool; None for region layouts.
     #[getter]
-    fn page_bytes(&self) -> u64 {
-        self.shape.page_bytes
+    fn page_bytes(&self) -> Option<u64> {
+        self.layout.pool_shape().map(|s| s.page_bytes)
+    }
+
+    /// `{group name: page bytes}` of a region layout; empty for a 2-D page
+    /// pool (whose rows serve every group name).
+    #[getter]
+    fn group_page_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for g in self.layout.groups() {
+            if let Some(name) = g.name() {
+                out.set_item(name, g.page_bytes())?;
+            }
+        }
+        Ok(out)
     }
 
     /// Whether a copy may be in flight (admission stopped for good).
@@ -309,9 +536,9 @@ impl PyTransferEngine {
         let timeout = timeout_of(timeout)?;
         let result = py.detach(|| self.engine.close(timeout));
         if result.is_err() {
-            if let Some(pool) = &self.pool {
-                // Leak one reference: the page pool must outlive any DMA.
-                std::mem::forget(pool.clone_ref(py));
+            for owner in &self.owners {
+                // Leak one reference: the memory must outlive any DMA.
+                std::mem::forget(owner.clone_ref(py));
             }
         }
         result.py()
@@ -346,11 +573,18 @@ impl PyTransferEngine {
     }
 
     fn __repr__(&self) -> String {
+        let pages = match self.layout.pool_shape() {
+            Some(shape) => format!("page_bytes={}", shape.page_bytes),
+            None => format!(
+                "buffers={}, groups={}",
+                self.layout.buffer_sizes().len(),
+                self.layout.groups().len()
+            ),
+        };
         format!(
-            "TransferEngine(backend={}, num_blocks={}, page_bytes={}, in_flight={}, unsafe={})",
+            "TransferEngine(backend={}, num_blocks={}, {pages}, in_flight={}, unsafe={})",
             self.engine.backend_name(),
-            self.shape.num_blocks,
-            self.shape.page_bytes,
+            self.layout.num_blocks(),
             self.engine.in_flight(),
             if self.engine.is_unsafe() {
                 "True"
@@ -364,17 +598,27 @@ impl PyTransferEngine {
 impl Drop for PyTransferEngine {
     /// Dropping the last reference drains admitted jobs with the GIL
     /// released (other Python threads keep running); if a copy may still be
-    /// in flight the page-pool reference is leaked, as `close()` does.
+    /// in flight the buffer references are leaked, as `close()` does.
     fn drop(&mut self) {
         let engine = &self.engine;
         let closed = Python::attach(|py| py.detach(|| engine.close(None)));
         if let Err(e) = closed {
             log::error!("dropping a transfer engine: {e}");
-            if let Some(pool) = self.pool.take() {
-                std::mem::forget(pool);
+            for owner in std::mem::take(&mut self.owners) {
+                std::mem::forget(owner);
             }
         }
     }
+}
+
+/// The validated region layout of `args` (their sizes) and `groups`.
+fn region_layout(
+    args: &[BufferArg],
+    groups: &Bound<'_, PyAny>,
+    num_blocks: u64,
+) -> PyResult<PageLayout> {
+    let sizes: Vec<u64> = args.iter().map(|b| b.size).collect();
+    PageLayout::regions(&sizes, num_blocks, region_groups(groups)?).py()
 }
 
 fn timeout_of(timeout: Option<f64>) -> PyResult<Option<Duration>> {
