@@ -117,7 +117,9 @@ def test_bad_block_ids_fail_before_any_lease_and_touch_nothing(
     client = rc.Client(server.socket_path)
     assert client.begin(m)
     engine = rc.TransferEngine(server.socket_path, pool, layout=LAYOUT)
-    for direction in ("STORE", "RETRIEVE"):
+    # a retrieve may name block 0 for a page it already holds (skip): only stores refuse it
+    directions = ("STORE",) if message == "null page" else ("STORE", "RETRIEVE")
+    for direction in directions:
         future = engine.submit(m, 0, direction, mutate(block_layout(m, 1)))
         assert future is not None and future.result(30) is False
         assert future.outcome == "failed" and future.error_kind == "InvalidInput"
@@ -126,6 +128,31 @@ def test_bad_block_ids_fail_before_any_lease_and_touch_nothing(
     assert idle(client) == (0, 0, 0)
     assert client.find(roots.roots) is None
     engine.close()
+
+
+def test_a_retrieve_leaves_pages_named_block_zero_untouched(server: Any) -> None:
+    m, _ = manifest(71)
+    pool = pool_for(m)
+    ids = block_layout(m, 1)
+    fill(pool, m, 0, ids)
+    client = rc.Client(server.socket_path)
+    assert client.begin(m)
+    engine = rc.TransferEngine(server.socket_path, pool, layout=LAYOUT)
+    stored = engine.submit(m, 0, "STORE", ids)
+    assert stored is not None and stored.result(30) is True
+    pool[:] = 0xA5
+    skipping = [[0, *ids[0][1:]], *ids[1:]]
+    future = engine.submit(m, 0, "RETRIEVE", skipping)
+    assert future is not None and future.result(30) is True
+    assert (pool[ids[0][0]] == 0xA5).all()  # the skipped page: not written
+    expected = pool_for(m)
+    fill(expected, m, 0, ids)
+    for group in skipping:
+        for row in group:
+            if row:
+                assert np.array_equal(pool[row], expected[row])
+    engine.close()
+    assert idle(client) == (0, 0, 0)
 
 
 def test_a_manifest_for_another_worker_layout_is_refused(server: Any) -> None:

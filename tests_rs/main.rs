@@ -41,4 +41,5 @@ mod transfer_regions;
 mod transfer_remap;
 mod transfer_review;
 mod transfer_roundtrip;
+mod transfer_skip;
 mod transfer_validation;

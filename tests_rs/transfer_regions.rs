@@ -565,17 +565,30 @@ fn a_group_the_layout_does_not_describe_is_refused() {
 #[test]
 fn null_out_of_range_and_repeated_blocks_are_refused() {
     let m = hybrid_manifest(62_000, "prompt");
-    let cases: Vec<(Vec<Vec<u64>>, &str)> = vec![
-        (vec![vec![0, 2, 3], vec![4], vec![5]], "outside 1..32"),
-        (vec![vec![1, 2, 3], vec![NB], vec![5]], "outside 1..32"),
-        (vec![vec![1, 2, 3], vec![3], vec![5]], "appears twice"),
+    // block 0 is refused in a store; a retrieve skips it (tests_rs/transfer_skip.rs)
+    let cases: Vec<(Vec<Vec<u64>>, &str, Direction)> = vec![
+        (
+            vec![vec![0, 2, 3], vec![4], vec![5]],
+            "outside 1..32",
+            Direction::Store,
+        ),
+        (
+            vec![vec![1, 2, 3], vec![NB], vec![5]],
+            "outside 1..32",
+            Direction::Retrieve,
+        ),
+        (
+            vec![vec![1, 2, 3], vec![3], vec![5]],
+            "appears twice",
+            Direction::Retrieve,
+        ),
     ];
-    for (i, (ids, needle)) in cases.into_iter().enumerate() {
+    for (i, (ids, needle, direction)) in cases.into_iter().enumerate() {
         refused_region_job(
             &format!("reg-blocks-{i}"),
             hybrid_layout(),
             (&m, hybrid_ids(10)),
-            job(&m, 0, Direction::Retrieve, &ids),
+            job(&m, 0, direction, &ids),
             needle,
         );
     }
@@ -618,10 +631,10 @@ fn overlapping_destination_regions_are_refused_in_both_directions() {
     // A at 4 and B at 5 (2816..3328) do not.
     let apart = vec![vec![4], vec![5]];
     let schema = m.payload_schema().unwrap();
-    let e = plan::check_job(&schema, &overlapping, &skewed_layout()).unwrap_err();
+    let e = plan::check_job(Direction::Store, &schema, &overlapping, &skewed_layout()).unwrap_err();
     assert!(e.to_string().contains("overlap"), "{e}");
     assert_eq!(
-        plan::check_job(&schema, &apart, &skewed_layout()).unwrap(),
+        plan::check_job(Direction::Store, &schema, &apart, &skewed_layout()).unwrap(),
         vec![0, 1]
     );
     for direction in [Direction::Store, Direction::Retrieve] {

@@ -930,7 +930,12 @@ impl Inner {
             }
             None => job.manifest.payload_schema()?,
         };
-        let groups = plan::check_job(&schema, &job.block_ids, self.backend.layout())?;
+        let groups = plan::check_job(
+            job.direction,
+            &schema,
+            &job.block_ids,
+            self.backend.layout(),
+        )?;
         Ok((schema, groups))
     }
 

@@ -72,7 +72,8 @@ pub struct CopyPlan {
     pub direction: Direction,
     /// Pages to copy, in manifest group/page order.
     pub pages: Vec<PageCopy>,
-    /// Store pages already resident in the sidecar (nothing to copy).
+    /// Pages not copied: store pages already resident in the sidecar, and
+    /// retrieve pages the worker already holds (block [`SKIP`]).
     pub skipped: usize,
 }
 
@@ -87,15 +88,20 @@ impl CopyPlan {
 /// (spec §9.2 steps 2–4), before any lease is requested, and returns the
 /// layout group of every manifest group (in manifest order).
 ///
+/// A RETRIEVE may name block 0 for a page the worker already holds (vLLM's
+/// local prefix hit): that page is leased like the others but not copied.
+///
 /// Refused: a group count or position count that differs from the block
 /// ids; a manifest group the layout has no template for; a page width other
 /// than the template's; a block id outside `1..num_blocks` (0 is the null
-/// block); a block id used twice; and any two pages of the job whose bytes
+/// block; on a retrieve it means "skip"); a block id used twice; a retrieve
+/// that skips every page; and any two pages of the job whose bytes
 /// in the bound memory overlap. The last rule is the real safety rule (a
 /// retrieve must never write one byte twice, and a store that reads one byte
 /// into two pages names the wrong blocks); with a 2-D pool it follows from
 /// distinct ids, with region layouts it must be computed.
 pub fn check_job(
+    direction: Direction,
     schema: &PayloadSchema,
     block_ids: &[Vec<u64>],
     layout: &PageLayout,
@@ -111,6 +117,7 @@ pub fn check_job(
     let num_blocks = layout.num_blocks();
     let mut seen = HashSet::new();
     let mut resolved = Vec::with_capacity(groups.len());
+    let mut copied = 0usize;
     for (group, ids) in groups.iter().zip(block_ids) {
         let Some((index, template)) = layout
             .resolve(&group.name)
@@ -144,6 +151,10 @@ pub fn check_job(
             )));
         }
         for &id in ids {
+            if id == SKIP && direction == Direction::Retrieve {
+                continue; // already in place on this worker: leased, not copied
+            }
+            copied += 1;
             if id == 0 || id >= num_blocks {
                 return Err(Error::invalid(format!(
                     "block id {id} of page group {:?} is outside 1..{num_blocks} (block 0 is the \
@@ -159,9 +170,17 @@ pub fn check_job(
         }
         resolved.push(index);
     }
+    if copied == 0 {
+        return Err(Error::invalid(
+            "the job copies no page: every block id of the retrieve is 0 (skip)",
+        ));
+    }
     check_no_overlap(schema, block_ids, layout, &resolved)?;
     Ok(resolved)
 }
+
+/// The block id a RETRIEVE job gives a page it must not copy.
+pub const SKIP: u64 = 0;
 
 /// The first names of a layout's groups, for messages.
 fn group_names(layout: &PageLayout) -> String {
@@ -197,7 +216,7 @@ fn check_no_overlap(
         let Some(template) = layout.group(index) else {
             continue; // resolved by check_job from this layout
         };
-        for &block in ids {
+        for &block in ids.iter().filter(|&&b| b != SKIP) {
             for (buffer, start, len) in template.regions_at(block) {
                 regions.push((buffer, start, start.saturating_add(len), g, block));
             }
@@ -314,6 +333,10 @@ pub fn plan_copy(
                     group.page_bytes,
                     pool.size()
                 )));
+            }
+            if block == SKIP && direction == Direction::Retrieve {
+                skipped += 1; // leased with the rest; the worker's page is in place
+                continue;
             }
             pages.push(PageCopy {
                 group: layout_group,
