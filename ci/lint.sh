@@ -8,8 +8,8 @@ cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "== ruff"
-ruff check lmcache_rc tests_py ci
-ruff format --check lmcache_rc tests_py ci
+ruff check lmcache_rc tests_py tests_vllm ci
+ruff format --check lmcache_rc tests_py tests_vllm ci
 echo "== mypy --strict"
 mypy --strict lmcache_rc
 echo "== stubtest (lmcache_rc/_native.pyi vs the built module)"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: from a fresh clone, set up .venv, build, lint and
-# run every test (Rust and Python). Exit status is non-zero on any failure.
+# run every test: Rust, Python, and the real-vLLM suite (tests_vllm/, in a
+# virtualenv with vllm==0.33.0 from PyPI that ci/vllm-env.sh makes once and
+# caches under ~/.cache/lmcache-rc/). Exit status is non-zero on any failure.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 bash ci/lint.sh
@@ -8,3 +10,4 @@ echo "== cargo test (core crate: unit tests + tests_rs)"
 cargo test -p lmcache-rc-core
 echo "== pytest"
 python -m pytest tests_py -q -p no:cacheprovider
+bash ci/vllm-test.sh

@@ -254,14 +254,16 @@ def test_submission_exception_reports_each_unsent_task(
     if failure == "submit":
         worker.raise_on.add(b.task_id)
     else:
-        original = connector._producer_event
+        side = connector.worker_side
+        assert side is not None
+        original = side.producer_event
 
-        def event(task: CheckpointEngineTask) -> int | None:
-            if task.task_id == b.task_id:
+        def event(task_id: str) -> int | None:
+            if task_id == b.task_id:
                 raise RuntimeError(f"CUDA error during {failure}")
-            return original(task)
+            return original(task_id)
 
-        monkeypatch.setattr(connector, "_producer_event", event)
+        monkeypatch.setattr(side, "producer_event", event)
     meta = step(connector, [a, b, c])
     assert meta is not None and meta.results == {b.task_id: {0: False}}  # only the failed one
     assert [t for t, *_ in worker.submitted] == [a.task_id, c.task_id]  # the others still went

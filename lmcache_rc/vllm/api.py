@@ -1,13 +1,15 @@
-"""The vLLM boundary-checkpoint API as seen by lmcache-rc — the only module that knows vLLM names.
+"""vLLM as seen by lmcache-rc — the only module that knows vLLM names.
 
 What it owns: structural ``typing.Protocol`` descriptions of every vLLM object the
-connector touches (``spec/vllm-boundary-api.md`` §1-§2), a few small concrete
+connector touches, in both modes: the fork's boundary-checkpoint API
+(``docs/design/vllm-boundary-api.md``) and stock vLLM 0.33's connector API
+(upstream mode, ``docs/vllm.md``); a few small concrete
 types both sides share (:class:`CheckpointEngineTask`), stand-ins for the vLLM
 base classes and enums used when vLLM is not importable (CPU tests, the
 simulated engine in :mod:`lmcache_rc.testing`), and helpers that detect optional
 allocator generations exactly as the reference connector does.
 
-Why: the connector (``lmcache_rc.connector``) and the simulated engine are written
+Why: the connector (``lmcache_rc.vllm``) and the simulated engine are written
 against these protocols, so a vLLM rename is fixed here once, and the simulator
 can prove it plays the same contract without importing vLLM. Attribute and
 parameter names below are vLLM's own and must not be "improved".
@@ -42,7 +44,9 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheManager",
+    "KVCacheTensor",
     "KVConnectorBase_V1",
+    "KVConnectorBlockState",
     "KVConnectorMetadata",
     "KVConnectorOutput",
     "KVConnectorRole",
@@ -58,7 +62,11 @@ __all__ = [
     "SupportsHMA",
     "VllmConfig",
     "engine_group_name",
+    "has_boundary_api",
+    "has_upstream_api",
     "is_recurrent_group",
+    "layer_spec",
+    "spec_kind",
     "supports_admission_api",
     "worker_rank",
 ]
@@ -393,6 +401,11 @@ class Request(Protocol):
     boundary_checkpoint: BoundaryCheckpoint | None
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length (upstream mode: prompt checkpoints stop here)."""
+        ...
+
+    @property
     def all_token_ids(self) -> Sequence[int]:
         """Prompt plus generated tokens."""
         ...
@@ -514,8 +527,19 @@ class KVCacheBlocks(Protocol):
 class BlockPool(Protocol):
     """``vllm.v1.core.block_pool.BlockPool`` subset the connector (and tests) use."""
 
+    blocks: Sequence[Any]
+    """``KVCacheBlock`` objects indexed by block id."""
+
     def get_num_free_blocks(self) -> int:
         """Free blocks, including free-but-cached ones."""
+        ...
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        """Take one reference on each block (upstream mode pins store sources)."""
+        ...
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        """Drop one reference on each block."""
         ...
 
 
@@ -526,11 +550,48 @@ class KVCacheGroupSpec(Protocol):
     kv_cache_spec: Any
 
 
+class KVCacheTensor(Protocol):
+    """``vllm.v1.kv_cache_interface.KVCacheTensor``: placement of same-shaped layers."""
+
+    size: int
+    layers: list[str]
+
+
 class KVCacheConfig(Protocol):
     """``vllm.v1.kv_cache_interface.KVCacheConfig`` subset."""
 
     num_blocks: int
     kv_cache_groups: list[KVCacheGroupSpec]
+    kv_cache_tensors: list[KVCacheTensor]
+
+
+_RECURRENT_SPECS = ("MambaSpec",)
+_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def layer_spec(group: KVCacheGroupSpec, layer: str) -> Any:
+    """The spec of ``layer`` in ``group`` (a ``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    members = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    if isinstance(members, Mapping) and layer in members:
+        return members[layer]
+    return group.kv_cache_spec
+
+
+def spec_kind(spec: Any) -> str | None:
+    """``"recurrent"`` (Mamba/GDN/KDA state), ``"attention"`` (full attention),
+    or None for kinds lmcache-rc cannot checkpoint (sliding window, chunked
+    local, cross attention, ...). Decided by class name so no vLLM import is
+    needed; a grouped spec counts when all its members agree."""
+    members = getattr(spec, "kv_cache_specs", None)
+    if isinstance(members, Mapping) and members:
+        kinds = {spec_kind(s) for s in members.values()}
+        return kinds.pop() if len(kinds) == 1 else None
+    name = type(spec).__name__
+    if name in _RECURRENT_SPECS:
+        return "recurrent"
+    if name in _ATTENTION_SPECS and getattr(spec, "sliding_window", None) is None:
+        return "attention"
+    return None
 
 
 class SingleTypeManager(Protocol):
@@ -634,6 +695,17 @@ def supports_admission_api(manager: Any) -> bool:
         return False
 
 
+class KVConnectorBlockState(Protocol):
+    """``vllm.v1.core.sched.output.KVConnectorBlockState`` (stock vLLM 0.33)."""
+
+    boundary_state_offloads: dict[str, list[tuple[int, int, int]]]
+    """``{request: [(group, block_id, boundary_tokens)]}`` written by this step's forward."""
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        """The request's current block table per group (None: not offered this step)."""
+        ...
+
+
 class SchedulerOutput(Protocol):
     """``vllm.v1.core.sched.output.SchedulerOutput`` subset."""
 
@@ -642,6 +714,7 @@ class SchedulerOutput(Protocol):
     total_num_scheduled_tokens: int
     num_scheduled_tokens: dict[str, int]
     kv_connector_metadata: Any | None
+    kv_connector_block_state: KVConnectorBlockState | None
 
 
 class KVConnectorOutput(Protocol):
@@ -654,6 +727,30 @@ class KVConnectorOutput(Protocol):
     kv_connector_worker_meta: KVConnectorWorkerMetadata | None
     invalid_block_ids: set[int]
     expected_finished_count: int
+    failed_recving: set[str]
+
+
+def has_boundary_api() -> bool:
+    """Whether the installed vLLM is the fork with request-boundary checkpoints
+    (its connector base class has the fork's scheduler hook)."""
+    return VLLM_AVAILABLE and hasattr(KVConnectorBase_V1, "bind_boundary_checkpoint_cache")
+
+
+def has_upstream_api() -> bool:
+    """Whether the installed vLLM offers what upstream mode needs: boundary-state
+    offers in the scheduler output and per-request load failures (vLLM 0.33)."""
+    if not VLLM_AVAILABLE:
+        return False
+    try:  # pragma: no cover - depends on the installed vLLM
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
+            KVConnectorTransferResults,
+        )
+        from vllm.v1.core.sched.output import (  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
+            KVConnectorBlockState,
+        )
+    except ImportError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- worker side
@@ -682,15 +779,23 @@ class BoundaryCheckpointState(Protocol):
 class CheckpointEngineTask:
     """One copy task, scheduler → every worker rank, emitted exactly once (storage §7.4).
 
-    ``block_ids``: live physical page ids per manifest group (null entries
-    removed, position order), the auxiliary page group last. Block ids never
-    enter a manifest.
+    ``block_ids``: physical page ids per manifest group, in position order
+    (boundary mode: the auxiliary page group last). In upstream mode a
+    RETRIEVE may name block 0 for a page the engine already holds (its local
+    prefix hit): that page is not copied. Block ids never enter a manifest.
     """
 
     task_id: str
     manifest: Manifest
     direction: Direction
     block_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    request_id: str = ""
+    """Upstream-mode loads: the request whose blocks receive the pages (ranks
+    report it in ``finished_recving``, and in ``failed_recving`` on failure)."""
+    error: str = ""
+    """Non-empty: the scheduler already knows this task cannot run (e.g. vLLM
+    allocated a null block for a restored page); ranks report it failed
+    without copying."""
 
     def __post_init__(self) -> None:
         if self.direction not in ("STORE", "RETRIEVE"):

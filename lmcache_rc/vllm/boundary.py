@@ -1,4 +1,7 @@
-"""The scheduler side of the vLLM connector: :class:`CheckpointSchedulerBridge`.
+"""Boundary mode, scheduler side: :class:`CheckpointSchedulerBridge`.
+
+This is the mode for the local-inference-lab fork of vLLM, whose allocator
+commits request-boundary checkpoints (``docs/design/vllm-boundary-api.md``).
 
 What it owns (``spec/storage-and-transfer.md`` §7.4-§7.5, ``spec/vllm-boundary-api.md``
 §2-§3): the checkpoint identity of this engine (namespace per cache salt), layout
@@ -24,233 +27,41 @@ from __future__ import annotations
 import html
 import json
 import logging
-import threading
 import time
 import uuid
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import lmcache_rc as rc
-from lmcache_rc.vllm_api import (
+from lmcache_rc.vllm.api import (
     CHECKPOINT_KINDS,
     AuxiliaryGroupName,
     BoundaryCheckpoint,
     CheckpointEngineTask,
     Direction,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
     engine_group_name,
     is_recurrent_group,
     supports_admission_api,
 )
+from lmcache_rc.vllm.common import LayoutNegotiation, RestorePhase, check_rank, handles
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
 
-__all__ = [
-    "CheckpointConnectorMetadata",
-    "CheckpointSchedulerBridge",
-    "CheckpointWorkerMetadata",
-    "SidecarClient",
-    "SidecarFuture",
-]
+__all__ = ["CheckpointSchedulerBridge"]
 
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- metadata
-
-
-class CheckpointConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """Scheduler → every worker rank, once per step: the copy tasks admitted in
-    this step. Each task appears in exactly one step's metadata (storage §7.4)."""
-
-    def __init__(self, tasks: Sequence[CheckpointEngineTask] = ()) -> None:
-        self.tasks: tuple[CheckpointEngineTask, ...] = tuple(tasks)
-
-    def __repr__(self) -> str:
-        return f"CheckpointConnectorMetadata(tasks={[t.task_id for t in self.tasks]})"
-
-
-class CheckpointWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker ranks → scheduler: layouts reported once per rank, and one boolean
-    result per (task, rank), folded across ranks with :meth:`aggregate`.
-
-    Rank identity is kept exactly: a rank appearing twice for a layout or for
-    the same task is a protocol error (ValueError), never counted twice.
-    """
-
-    def __init__(
-        self,
-        layouts: Mapping[int, Mapping[str, Any]] | None = None,
-        results: Mapping[str, Mapping[int, bool]] | None = None,
-    ) -> None:
-        self.layouts: dict[int, dict[str, Any]] = {
-            int(r): dict(v) for r, v in (layouts or {}).items()
-        }
-        self.results: dict[str, dict[int, bool]] = {
-            str(t): {int(r): bool(ok) for r, ok in ranks.items()}
-            for t, ranks in (results or {}).items()
-        }
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> CheckpointWorkerMetadata:
-        """A new object holding both ranks' reports (neither input changes).
-
-        Raises ValueError when ``other`` repeats a rank's layout or a rank's
-        result for one task, or is not a :class:`CheckpointWorkerMetadata`.
-        """
-        if not isinstance(other, CheckpointWorkerMetadata):
-            raise ValueError(
-                f"cannot aggregate CheckpointWorkerMetadata with {type(other).__name__}"
-            )
-        merged = CheckpointWorkerMetadata(self.layouts, self.results)
-        for rank, layout in other.layouts.items():
-            if rank in merged.layouts:
-                raise ValueError(f"worker metadata reports the layout of rank {rank} twice")
-            merged.layouts[rank] = dict(layout)
-        for task_id, ranks in other.results.items():
-            into = merged.results.setdefault(task_id, {})
-            for rank, ok in ranks.items():
-                if rank in into:
-                    raise ValueError(
-                        f"worker metadata reports rank {rank} twice for task {task_id}"
-                    )
-                into[rank] = ok
-        return merged
-
-    def __repr__(self) -> str:
-        return f"CheckpointWorkerMetadata(layouts={sorted(self.layouts)}, results={self.results})"
-
-
-# --------------------------------------------------------------------------- sidecar protocol
-
-
-class SidecarFuture(Protocol):
-    """The part of ``rc._native.Future`` the bridge uses."""
-
-    def done(self) -> bool:
-        """Whether the reply (or the failure) is in."""
-        ...
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The reply, or raises the call's error."""
-        ...
-
-
-class SidecarClient(Protocol):
-    """The part of :class:`lmcache_rc.Client` the bridge uses (fakes in tests)."""
-
-    def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
-        """Start a FIND for the longest listed prefix of ``roots``."""
-        ...
-
-    def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
-        """Start a BEGIN (stage a generation)."""
-        ...
-
-    def abort_async(self, generation: str) -> SidecarFuture:
-        """Start an ABORT of a pending generation."""
-        ...
-
-    def close(self) -> None:
-        """Close the connection."""
-        ...
-
-
-class _NonBlockingSidecar:
-    """Keeps reconnecting off the scheduler thread.
-
-    ``rc.Client``'s ``*_async`` calls send on the caller's thread, and when the
-    connection is gone they first reconnect there, which can take up to the
-    connect timeout against a sidecar that accepts but does not answer. So
-    while the client reports no live connection, calls fail at once with
-    ``Unavailable`` (the bridge turns that into a miss or a skipped store),
-    one background thread reconnects (at most one attempt per
-    ``retry_interval`` seconds), and ABORTs are queued and sent once the
-    connection is back. Clients without a ``connected`` attribute (test
-    fakes) are used directly.
-    """
-
-    def __init__(self, client: SidecarClient, retry_interval: float = 1.0) -> None:
-        self._client = client
-        self._retry_interval = retry_interval
-        self._lock = threading.Lock()
-        self._reconnecting = False
-        self._last_attempt = float("-inf")
-        self._aborts: deque[str] = deque(maxlen=4096)
-
-    def _live(self) -> bool:
-        connected = getattr(self._client, "connected", None)
-        if connected is None or connected:
-            self._flush_aborts()
-            return True
-        self._start_reconnect()
-        return False
-
-    def _start_reconnect(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._reconnecting or now - self._last_attempt < self._retry_interval:
-                return
-            self._reconnecting = True
-            self._last_attempt = now
-        threading.Thread(target=self._reconnect, name="lmcache-rc-reconnect", daemon=True).start()
-
-    def _reconnect(self) -> None:
-        try:
-            # Any blocking call connects; capabilities is the cheapest.
-            self._client.capabilities()  # type: ignore[attr-defined]
-            logger.info("reconnected to the lmcache-rc sidecar")
-        except Exception as e:
-            logger.info("the lmcache-rc sidecar is still unreachable: %s", e)
-        finally:
-            with self._lock:
-                self._reconnecting = False
-
-    def _flush_aborts(self) -> None:
-        while self._aborts:
-            generation = self._aborts.popleft()
-            try:
-                self._client.abort_async(generation)
-            except Exception as e:  # the sidecar drops abandoned pending generations itself
-                logger.warning("queued ABORT of %s could not be sent: %s", generation, e)
-
-    def _down(self, what: str) -> rc.errors.Unavailable:
-        return rc.errors.Unavailable(
-            f"{what}: no live connection to the lmcache-rc sidecar (reconnecting in the background)"
-        )
-
-    def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
-        """FIND, or ``Unavailable`` at once while disconnected."""
-        if not self._live():
-            raise self._down("checkpoint lookup")
-        return self._client.find_async(roots)
-
-    def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
-        """BEGIN, or ``Unavailable`` at once while disconnected."""
-        if not self._live():
-            raise self._down("checkpoint store")
-        return self._client.begin_async(manifest)
-
-    def abort_async(self, generation: str) -> SidecarFuture | None:
-        """ABORT now, or queued until the connection is back (None)."""
-        if not self._live():
-            self._aborts.append(generation)
-            return None
-        return self._client.abort_async(generation)
-
-    def close(self) -> None:
-        """Closes the client."""
-        self._client.close()
-
-
 # --------------------------------------------------------------------------- state records
 
-_FINDING = "finding"  # a FIND is in flight
-_WAITING = "waiting-capacity"  # a manifest was chosen; the allocator had no room yet
-_RESTORING = "restoring"  # a RETRIEVE task owns a reserved bundle
-_PUBLISHED = "published"  # the import is published for this request; admit
-_RETRY = "retry"  # the import failed; the next poll looks up again
-_DONE = "done"  # nothing (more) to import; admit
+_FINDING = RestorePhase.FINDING
+_WAITING = RestorePhase.WAITING
+_RESTORING = RestorePhase.RESTORING
+_PUBLISHED = RestorePhase.PUBLISHED
+_RETRY = RestorePhase.RETRY
+_DONE = RestorePhase.DONE
 
 
 @dataclass(eq=False)
@@ -259,7 +70,7 @@ class _Lookup:
     request id never inherits another request's lookup)."""
 
     request_id: str
-    phase: str
+    phase: RestorePhase
     attempts: int = 0
     started: float = 0.0
     future: SidecarFuture | None = None
@@ -315,8 +126,10 @@ class _PendingBegin:
     deadline: float
 
 
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+def _check_page_bytes(rank: int, layout: Mapping[str, Any]) -> None:
+    page_bytes = layout.get("page_bytes")
+    if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+        raise ValueError(f"rank {rank} reported a layout without a valid page_bytes")
 
 
 # --------------------------------------------------------------------------- the bridge
@@ -360,7 +173,7 @@ class CheckpointSchedulerBridge:
             raise ValueError("max_lookup_attempts must be at least 1")
         if manager.boundary_checkpoints is None:
             raise ValueError("the KV cache manager has no boundary-checkpoint cache")
-        self._client = _NonBlockingSidecar(client)
+        self._client = NonBlockingSidecar(client)
         self._manager = manager
         self._cache = manager.boundary_checkpoints
         self._identity: dict[str, Any] = dict(identity)
@@ -386,12 +199,14 @@ class CheckpointSchedulerBridge:
         self._block_sizes: tuple[int, ...] = tuple(
             int(managers[g].block_size) for g in range(len(groups))
         )
-        # layout negotiation (storage §7.4)
-        self._layouts: dict[int, dict[str, Any]] = {}
-        self._layout: dict[str, Any] | None = None
-        self._layout_failed = False
-        self._layout_deadline = None if layout_timeout is None else clock() + layout_timeout
-        self._namespaces: dict[str, str] = {}
+        # layout negotiation: every rank reports one layout before any lookup
+        self._negotiation = LayoutNegotiation(
+            world_size,
+            self._identity,
+            timeout=layout_timeout,
+            clock=clock,
+            validate=_check_page_bytes,
+        )
         # requests, tasks
         self._lookups: dict[str, _Lookup] = {}
         self._tasks: dict[str, _Task] = {}
@@ -407,6 +222,10 @@ class CheckpointSchedulerBridge:
     def world_size(self) -> int:
         """Number of worker ranks every task must hear from."""
         return self._world_size
+
+    @property
+    def _layout(self) -> dict[str, Any] | None:
+        return self._negotiation.layout
 
     @property
     def layout(self) -> dict[str, Any] | None:
@@ -427,14 +246,7 @@ class CheckpointSchedulerBridge:
 
     def namespace(self, cache_salt: str | None) -> str:
         """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
-        if self._layout is None:
-            raise RuntimeError("the worker layout is not negotiated yet")
-        salt = cache_salt or ""
-        ns = self._namespaces.get(salt)
-        if ns is None:
-            ns = rc.checkpoint_namespace({**self._identity, "layout": self._layout}, salt)
-            self._namespaces[salt] = ns
-        return ns
+        return self._negotiation.namespace(cache_salt)
 
     def _roots(self, request: Any, num_tokens: int | None = None) -> rc.TokenRoots:
         tokens = list(request.all_token_ids)
@@ -447,16 +259,12 @@ class CheckpointSchedulerBridge:
     def handles(self, request: Any) -> bool:
         """Whether ``request`` may use the external directory at all.
 
-        LoRA requests never do (adapter ids do not authenticate adapter
-        bytes, I3); multimodal requests neither (their placeholder tokens do
-        not name the content here; see ``docs/vllm.md``); nor requests the
-        boundary-checkpoint cache does not support (``supports_request``,
-        spec §2.4: e.g. prompt embeddings or resumable requests), for which
-        the allocator's reserve answers None for a reason other than capacity.
+        Not LoRA, multimodal or embedding requests (:func:`handles`), nor
+        requests the boundary-checkpoint cache does not support
+        (``supports_request``: e.g. resumable requests), for which the
+        allocator's reserve answers None for a reason other than capacity.
         """
-        if getattr(request, "lora_request", None) is not None:
-            return False
-        if getattr(request, "mm_features", None):
+        if not handles(request):
             return False
         supports = getattr(self._cache, "supports_request", None)
         return supports is None or bool(supports(request))
@@ -816,14 +624,11 @@ class CheckpointSchedulerBridge:
                 "content_keys": keys[at:],
             }
         )
-        payload = _canonical(
-            {
-                "schema_version": 2,
-                "worker_layout": self._layout,
-                "page_groups": groups,
-                "draft_prefix_len": int(ckpt.draft_prefix_len),
-                "kind": ckpt.kind,
-            }
+        payload = rc.CheckpointPayload.build(
+            worker_layout=self._layout,
+            page_groups=groups,
+            draft_prefix_len=int(ckpt.draft_prefix_len),
+            kind=ckpt.kind,
         )
         prefix = roots.prefix(n)
         generation = rc.checkpoint_generation(prefix, payload)
@@ -942,53 +747,14 @@ class CheckpointSchedulerBridge:
                 self._complete(task)
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise ValueError(f"worker rank must be an integer, got {rank!r}")
-        if not 0 <= rank < self._world_size:
-            raise ValueError(f"worker rank {rank} is outside 0..{self._world_size - 1}")
+        check_rank(rank, self._world_size)
 
     def _take_layout(self, rank: int, layout: Mapping[str, Any]) -> None:
-        self._check_rank(rank)
-        page_bytes = layout.get("page_bytes")
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
-            raise ValueError(f"rank {rank} reported a layout without a valid page_bytes")
-        try:  # the JSON form, as manifests carry it (tuples become lists)
-            plain: dict[str, Any] = json.loads(_canonical(layout))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"rank {rank} reported a layout that is not plain JSON: {e}") from e
-        known = self._layouts.get(rank)
-        if known is not None and known != plain:
-            raise ValueError(f"rank {rank} reported a different worker layout")
-        for other, theirs in self._layouts.items():
-            if theirs != plain:
-                raise ValueError(
-                    f"worker layouts differ between rank {other} and rank {rank}: every rank "
-                    "must expose the same checkpoint page layout"
-                )
-        self._layouts[rank] = plain
-        if self._layout is None and len(self._layouts) == self._world_size:
-            self._layout = plain
-            self._namespaces.clear()
-            logger.info(
-                "checkpoint worker layout negotiated with %d ranks (page_bytes=%d)",
-                self._world_size,
-                page_bytes,
-            )
+        self._negotiation.take(rank, layout)
 
     def _negotiation_settled(self) -> bool:
         """False while layouts may still arrive; True once negotiated or given up."""
-        if self._layout is not None or self._layout_failed:
-            return True
-        if self._layout_deadline is not None and self._clock() >= self._layout_deadline:
-            self._layout_failed = True
-            missing = sorted(set(range(self._world_size)) - set(self._layouts))
-            logger.error(
-                "checkpoint worker layout not reported by ranks %s in time; serving without "
-                "external checkpoints",
-                missing,
-            )
-            return True
-        return False
+        return self._negotiation.settled()
 
     def _complete(self, task: _Task) -> None:
         """Every rank reported ``task``: publish, discard or release, exactly once."""
@@ -1089,13 +855,13 @@ class CheckpointSchedulerBridge:
 
     def report_status(self) -> dict[str, Any]:
         """A snapshot for humans and tests: layout, requests, tasks, counters."""
-        phases = Counter(lookup.phase for lookup in self._lookups.values())
+        phases = Counter(str(lookup.phase) for lookup in self._lookups.values())
         directions = Counter(t.direction for t in self._tasks.values())
         return {
             "world_size": self._world_size,
             "layout_negotiated": self._layout is not None,
-            "layout_failed": self._layout_failed,
-            "layout_ranks": sorted(self._layouts),
+            "layout_failed": self._negotiation.failed,
+            "layout_ranks": sorted(self._negotiation.reports),
             "admission_api": self._admission,
             "lookups": dict(phases),
             "tasks": {

@@ -1,0 +1,151 @@
+"""The scheduler's sidecar client, made safe for the scheduler thread.
+
+What it owns: the :class:`SidecarClient` protocol (the part of
+:class:`lmcache_rc.Client` the scheduler side uses; test fakes implement
+it), and :class:`NonBlockingSidecar`, which never lets the scheduler thread
+wait on a connect: while the connection is down, calls fail at once with
+``Unavailable`` (a miss, or a skipped store), one background thread
+reconnects, and ABORTs are queued until the connection is back.
+
+What it must never do: block the calling thread on the network beyond
+sending one frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import lmcache_rc as rc
+
+__all__ = ["NonBlockingSidecar", "SidecarClient", "SidecarFuture", "connect"]
+
+logger = logging.getLogger(__name__)
+
+
+class SidecarFuture(Protocol):
+    """The part of ``rc._native.Future`` the bridge uses."""
+
+    def done(self) -> bool:
+        """Whether the reply (or the failure) is in."""
+        ...
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The reply, or raises the call's error."""
+        ...
+
+
+class SidecarClient(Protocol):
+    """The part of :class:`lmcache_rc.Client` the bridge uses (fakes in tests)."""
+
+    def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
+        """Start a FIND for the longest listed prefix of ``roots``."""
+        ...
+
+    def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
+        """Start a BEGIN (stage a generation)."""
+        ...
+
+    def abort_async(self, generation: str) -> SidecarFuture:
+        """Start an ABORT of a pending generation."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection."""
+        ...
+
+
+class NonBlockingSidecar:
+    """Keeps reconnecting off the scheduler thread.
+
+    ``rc.Client``'s ``*_async`` calls send on the caller's thread, and when the
+    connection is gone they first reconnect there, which can take up to the
+    connect timeout against a sidecar that accepts but does not answer. So
+    while the client reports no live connection, calls fail at once with
+    ``Unavailable`` (the bridge turns that into a miss or a skipped store),
+    one background thread reconnects (at most one attempt per
+    ``retry_interval`` seconds), and ABORTs are queued and sent once the
+    connection is back. Clients without a ``connected`` attribute (test
+    fakes) are used directly.
+    """
+
+    def __init__(self, client: SidecarClient, retry_interval: float = 1.0) -> None:
+        self._client = client
+        self._retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._reconnecting = False
+        self._last_attempt = float("-inf")
+        self._aborts: deque[str] = deque(maxlen=4096)
+
+    def _live(self) -> bool:
+        connected = getattr(self._client, "connected", None)
+        if connected is None or connected:
+            self._flush_aborts()
+            return True
+        self._start_reconnect()
+        return False
+
+    def _start_reconnect(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._reconnecting or now - self._last_attempt < self._retry_interval:
+                return
+            self._reconnecting = True
+            self._last_attempt = now
+        threading.Thread(target=self._reconnect, name="lmcache-rc-reconnect", daemon=True).start()
+
+    def _reconnect(self) -> None:
+        try:
+            # Any blocking call connects; capabilities is the cheapest.
+            self._client.capabilities()  # type: ignore[attr-defined]
+            logger.info("reconnected to the lmcache-rc sidecar")
+        except Exception as e:
+            logger.info("the lmcache-rc sidecar is still unreachable: %s", e)
+        finally:
+            with self._lock:
+                self._reconnecting = False
+
+    def _flush_aborts(self) -> None:
+        while self._aborts:
+            generation = self._aborts.popleft()
+            try:
+                self._client.abort_async(generation)
+            except Exception as e:  # the sidecar drops abandoned pending generations itself
+                logger.warning("queued ABORT of %s could not be sent: %s", generation, e)
+
+    def _down(self, what: str) -> rc.errors.Unavailable:
+        return rc.errors.Unavailable(
+            f"{what}: no live connection to the lmcache-rc sidecar (reconnecting in the background)"
+        )
+
+    def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
+        """FIND, or ``Unavailable`` at once while disconnected."""
+        if not self._live():
+            raise self._down("checkpoint lookup")
+        return self._client.find_async(roots)
+
+    def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
+        """BEGIN, or ``Unavailable`` at once while disconnected."""
+        if not self._live():
+            raise self._down("checkpoint store")
+        return self._client.begin_async(manifest)
+
+    def abort_async(self, generation: str) -> SidecarFuture | None:
+        """ABORT now, or queued until the connection is back (None)."""
+        if not self._live():
+            self._aborts.append(generation)
+            return None
+        return self._client.abort_async(generation)
+
+    def close(self) -> None:
+        """Closes the client."""
+        self._client.close()
+
+
+def connect(socket_path: str, rpc_timeout: float, connect_timeout: float) -> rc.Client:
+    """The default client factory: an :class:`lmcache_rc.Client` (connects now)."""
+    return rc.Client(socket_path, timeout=rpc_timeout, connect_timeout=connect_timeout)

@@ -1,0 +1,740 @@
+"""Upstream mode, scheduler side: lmcache-rc on stock vLLM 0.33.
+
+What it owns (:class:`UpstreamScheduler`):
+
+* **Restores.** ``get_num_new_matched_tokens`` starts a non-blocking FIND
+  for the request's tokens minus the last one (a restore never covers the
+  whole prompt) and answers ``(None, False)`` until the reply is in, then
+  ``(N - num_computed_tokens, True)`` for a checkpoint of ``N`` tokens
+  longer than the local hit. ``update_state_after_alloc`` turns vLLM's
+  blocks into one RETRIEVE task: every attention page past the local hit,
+  and each recurrent group's block ``cdiv(N, block_size) - 1`` (the block
+  vLLM's align mode reads the state of ``N`` tokens from). Every rank
+  reports the request in ``finished_recving`` and, on failure, in
+  ``failed_recving``; vLLM's ``KVOutputAggregator`` waits for all ranks
+  before the blocks become a hit (I2), and a failure anywhere makes vLLM
+  recompute (``kv_load_failure_policy="recompute"``). The failed
+  checkpoint is not offered again: the next FIND asks for a shorter one.
+* **Stores.** From ``boundary_state_offloads`` (Mamba align-mode states
+  written by this step's forward): the last block boundary at or below the
+  prompt length, or every one (``store_prompt``); at
+  ``request_finished_all_groups``: the state at ``num_computed_tokens``
+  (``store_response``), what the next turn of a conversation continues
+  from. Each store pins its blocks in vLLM's pool (``touch``) until every
+  rank reported its copy, sends BEGIN (an identical generation already
+  listed or pending is suppressed there, so a replay writes nothing) and is
+  published by the sidecar only when every rank finished (I1); a failed rank
+  aborts it.
+
+What it must never do: block the scheduler thread on the sidecar (every
+RPC is an ``*_async`` future polled once per step), offer vLLM a hit it
+cannot load, release a pinned block before every rank reported, or handle a
+LoRA, multimodal or embedding request (I3).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmcache_rc as rc
+from lmcache_rc.vllm.api import (
+    BlockPool,
+    CheckpointEngineTask,
+    Direction,
+    KVCacheBlocks,
+    KVCacheConfig,
+    Request,
+    SchedulerOutput,
+    spec_kind,
+)
+from lmcache_rc.vllm.common import LayoutNegotiation, RestorePhase, handles
+from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.vllm.options import ConnectorOptions
+from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
+
+__all__ = ["GroupInfo", "UpstreamScheduler", "cdiv"]
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b``."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One vLLM KV-cache group as the scheduler side sees it."""
+
+    index: int
+    kind: str
+    """``"attention"`` or ``"recurrent"``."""
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        """Its manifest page-group name."""
+        return group_name(self.index)
+
+    def positions(self, num_tokens: int) -> list[int]:
+        """Block-table indices a checkpoint of ``num_tokens`` holds in this group."""
+        last = cdiv(num_tokens, self.block_size)
+        return list(range(last)) if self.kind == "attention" else [last - 1]
+
+
+@dataclass(eq=False)
+class _Restore:
+    """One request's restore (identity by object: a reused id never inherits it)."""
+
+    request_id: str
+    phase: RestorePhase
+    limit: int
+    """Checkpoints of at most this many tokens are looked up."""
+    attempts: int = 0
+    started: float = 0.0
+    future: SidecarFuture | None = None
+    manifest: rc.Manifest | None = None
+    num_tokens: int = 0
+    task_id: str | None = None
+    restored: int = 0
+    reason: str = ""
+
+
+@dataclass(eq=False)
+class _Task:
+    """One copy task from creation to the last rank's result."""
+
+    task_id: str
+    direction: Direction
+    manifest: rc.Manifest
+    block_ids: tuple[tuple[int, ...], ...]
+    request_id: str
+    kind: str
+    pins: tuple[int, ...] = ()
+    error: str = ""
+    sent: bool = False
+    results: dict[int, bool] = field(default_factory=dict)
+
+    def engine_task(self) -> CheckpointEngineTask:
+        return CheckpointEngineTask(
+            task_id=self.task_id,
+            manifest=self.manifest,
+            direction=self.direction,
+            block_ids=self.block_ids,
+            request_id=self.request_id if self.direction == "RETRIEVE" else "",
+            error=self.error,
+        )
+
+
+@dataclass(eq=False)
+class _PendingBegin:
+    task: _Task
+    future: SidecarFuture
+    deadline: float
+
+
+class UpstreamScheduler:
+    """The scheduler side of upstream mode (one per engine, owned by the connector).
+
+    Every method runs on the scheduler thread and none blocks on the sidecar.
+    ``identity`` is the namespace identity without ``layout``; the layout is
+    negotiated with the ranks (each reports the layout its KV caches give,
+    :mod:`lmcache_rc.vllm.layout`).
+    """
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        kv_cache_config: KVCacheConfig,
+        options: ConnectorOptions,
+        *,
+        identity: Mapping[str, Any],
+        world_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = NonBlockingSidecar(client)
+        self._options = options
+        self._world_size = world_size
+        self._clock = clock
+        self._groups: tuple[GroupInfo, ...] = tuple(
+            GroupInfo(
+                i, spec_kind(g.kv_cache_spec) or "unsupported", int(g.kv_cache_spec.block_size)
+            )
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        unsupported = [g.index for g in self._groups if g.kind == "unsupported"]
+        if unsupported:
+            raise ValueError(f"KV-cache groups {unsupported} cannot be checkpointed")
+        self._recurrent = tuple(g for g in self._groups if g.kind == "recurrent")
+        self._negotiation = LayoutNegotiation(
+            world_size,
+            identity,
+            timeout=options.layout_timeout or None,
+            clock=clock,
+            validate=self._check_layout,
+        )
+        self._pool: BlockPool | None = None
+        self._requests: dict[str, Request] = {}
+        self._restores: dict[str, _Restore] = {}
+        self._tasks: dict[str, _Task] = {}
+        self._begins: list[_PendingBegin] = []
+        self._background: list[SidecarFuture] = []
+        self._counters: Counter[str] = Counter()
+        self._closed = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def layout(self) -> dict[str, Any] | None:
+        """The negotiated worker layout, or None while negotiation is open."""
+        return None if self._negotiation.layout is None else dict(self._negotiation.layout)
+
+    @property
+    def groups(self) -> tuple[GroupInfo, ...]:
+        """The KV-cache groups, in vLLM's order."""
+        return self._groups
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters (restored/recomputed tokens, stores, failures)."""
+        return dict(self._counters)
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        """vLLM's block pool: store sources are pinned in it."""
+        self._pool = pool
+
+    def _check_layout(self, rank: int, layout: Mapping[str, Any]) -> None:
+        if layout.get("format") != LAYOUT_FORMAT:
+            raise ValueError(
+                f"rank {rank} reported a {layout.get('format')!r} layout; upstream mode needs "
+                f"{LAYOUT_FORMAT!r} (every rank must run the same connector mode)"
+            )
+        groups = layout.get("groups")
+        if not isinstance(groups, list) or len(groups) != len(self._groups):
+            raise ValueError(f"rank {rank} reported a layout for another set of KV-cache groups")
+        for info, described in zip(self._groups, groups, strict=True):
+            if (
+                not isinstance(described, Mapping)
+                or described.get("name") != info.name
+                or described.get("kind") != info.kind
+                or described.get("block_size") != info.block_size
+            ):
+                raise ValueError(f"rank {rank} describes KV-cache group {info.index} differently")
+
+    def _page_bytes(self, group: GroupInfo) -> int:
+        assert self._negotiation.layout is not None
+        return int(self._negotiation.layout["groups"][group.index]["page_bytes"])
+
+    # ------------------------------------------------------------------ identity
+
+    def _roots(self, request: Request, num_tokens: int) -> rc.TokenRoots:
+        tokens = list(request.all_token_ids)[:num_tokens]
+        return rc.TokenRoots.build(
+            self._negotiation.namespace(request.cache_salt),
+            tokens,
+            chunk_tokens=self._options.chunk_tokens,
+        )
+
+    # ------------------------------------------------------------------ restores
+
+    def on_new_request(self, request: Request) -> None:
+        """Remember the request (stores of its boundaries need its tokens)."""
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """``(None, False)`` while the lookup runs; ``(n, True)`` to restore ``n``
+        tokens past ``num_computed_tokens`` asynchronously; else ``(0, False)``."""
+        rid = request.request_id
+        self._requests.setdefault(rid, request)
+        if self._closed or not handles(request):
+            return 0, False
+        if not self._negotiation.settled():
+            return None, False  # layouts still arriving: the namespace is not known yet
+        if self._negotiation.layout is None:
+            return 0, False
+        restore = self._restores.get(rid)
+        if restore is None:
+            restore = _Restore(rid, RestorePhase.DONE, limit=int(request.num_tokens) - 1)
+            self._restores[rid] = restore
+            return self._send_find(request, restore, num_computed_tokens)
+        if restore.phase is RestorePhase.FINDING:
+            return self._advance_find(request, restore, num_computed_tokens)
+        if restore.phase is RestorePhase.FOUND:
+            return self._offer(restore, num_computed_tokens)
+        if restore.phase is RestorePhase.RETRY:
+            return self._send_find(request, restore, num_computed_tokens)
+        return 0, False
+
+    def _finish(self, restore: _Restore, reason: str) -> tuple[int, bool]:
+        restore.phase = RestorePhase.DONE
+        restore.reason = reason
+        restore.future = None
+        self._counters[f"lookup_{reason}"] += 1
+        return 0, False
+
+    def _send_find(
+        self, request: Request, restore: _Restore, num_computed: int
+    ) -> tuple[int | None, bool]:
+        if restore.limit <= num_computed:
+            return self._finish(restore, "local-hit")
+        if restore.attempts >= self._options.max_lookup_attempts:
+            return self._finish(restore, "attempts-exhausted")
+        restore.attempts += 1
+        restore.started = self._clock()
+        restore.manifest = None
+        try:
+            roots = self._roots(request, restore.limit).roots
+            restore.future = self._client.find_async(roots)
+        except Exception as e:  # the sidecar is down or the request cannot be keyed
+            logger.warning("checkpoint lookup for %s failed to start: %s", restore.request_id, e)
+            return self._finish(restore, "find-error")
+        restore.phase = RestorePhase.FINDING
+        self._counters["lookups"] += 1
+        return None, False
+
+    def _advance_find(
+        self, request: Request, restore: _Restore, num_computed: int
+    ) -> tuple[int | None, bool]:
+        future = restore.future
+        assert future is not None
+        if not future.done():
+            if self._clock() - restore.started >= self._options.lookup_timeout:
+                logger.warning(
+                    "no checkpoint lookup reply for %s within %.1f s; recomputing",
+                    restore.request_id,
+                    self._options.lookup_timeout,
+                )
+                return self._finish(restore, "find-timeout")
+            return None, False
+        restore.future = None
+        try:
+            found = future.result(0)
+        except Exception as e:
+            logger.warning("checkpoint lookup for %s failed: %s", restore.request_id, e)
+            return self._finish(restore, "find-error")
+        if found is None:
+            return self._finish(restore, "miss")
+        if not self._usable(request, found, restore.limit):
+            return self._finish(restore, "incompatible")
+        restore.manifest = found
+        restore.num_tokens = found.prefix.num_tokens
+        restore.phase = RestorePhase.FOUND
+        return self._offer(restore, num_computed)
+
+    def _offer(self, restore: _Restore, num_computed: int) -> tuple[int, bool]:
+        if restore.num_tokens <= num_computed:
+            return self._finish(restore, "local-at-least-as-long")
+        return restore.num_tokens - num_computed, True
+
+    def _usable(self, request: Request, manifest: rc.Manifest, limit: int) -> bool:
+        """Checks a FIND answer against this engine before offering it to vLLM."""
+        try:
+            n = manifest.prefix.num_tokens
+            if manifest.world_size != self._world_size:
+                raise ValueError(f"world size {manifest.world_size} != {self._world_size}")
+            if not 0 < n <= limit:
+                raise ValueError(f"{n} tokens do not fit below {limit}")
+            if manifest.prefix != self._roots(request, n).prefix(n):
+                raise ValueError("prefix is not this request's exact token prefix")
+            payload = rc.CheckpointPayload.parse(manifest.payload)
+            if payload.worker_layout != self._negotiation.layout:
+                raise ValueError("worker layout differs")
+            if payload.num_tokens != n or payload.kind is not None:
+                raise ValueError("not an upstream-mode checkpoint of its prefix")
+            groups = payload.page_groups
+            if [g.get("name") for g in groups] != [g.name for g in self._groups]:
+                raise ValueError("page groups differ from this engine's KV-cache groups")
+            for info, group in zip(self._groups, groups, strict=True):
+                if group.get("page_bytes") != self._page_bytes(info):
+                    raise ValueError(f"page group {info.name} has a different page size")
+                if group.get("positions") != info.positions(n):
+                    raise ValueError(f"page group {info.name} covers other positions")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("checkpoint for %s not usable here: %s", request.request_id, e)
+            return False
+        return True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Turns vLLM's allocation for an accepted hit into one RETRIEVE task."""
+        restore = self._restores.get(request.request_id)
+        if restore is None or restore.phase is not RestorePhase.FOUND:
+            return  # not ours, or the second call after a finished load
+        if num_external_tokens <= 0:
+            self._finish(restore, "not-loaded")
+            return
+        assert restore.manifest is not None
+        n = restore.num_tokens
+        local = n - num_external_tokens
+        table = blocks.get_block_ids()
+        block_ids: list[tuple[int, ...]] = []
+        error = ""
+        for info in self._groups:
+            ids = list(table[info.index]) if info.index < len(table) else []
+            row: list[int] = []
+            for p in info.positions(n):
+                if info.kind == "attention" and (p + 1) * info.block_size <= local:
+                    row.append(0)  # a page of the local hit: already in place
+                    continue
+                block = ids[p] if p < len(ids) else 0
+                if block == 0 and not error:
+                    error = f"vLLM allocated no block for page {p} of group {info.name}"
+                row.append(block)
+            block_ids.append(tuple(row))
+        task = _Task(
+            task_id=uuid.uuid4().hex,
+            direction="RETRIEVE",
+            manifest=restore.manifest,
+            block_ids=tuple(block_ids),
+            request_id=request.request_id,
+            kind="restore",
+            error=error,
+        )
+        self._tasks[task.task_id] = task
+        restore.phase = RestorePhase.RESTORING
+        restore.task_id = task.task_id
+        restore.restored = num_external_tokens
+        self._counters["restores_started"] += 1
+
+    # ------------------------------------------------------------------ stores
+
+    def _store(
+        self,
+        request: Request,
+        num_tokens: int,
+        table: Sequence[Sequence[int]],
+        recurrent: Mapping[int, int],
+        kind: str,
+    ) -> bool:
+        """Pins the blocks of a checkpoint of ``num_tokens`` and sends BEGIN."""
+        if self._pool is None or self._negotiation.layout is None:
+            self._counters["store_skipped"] += 1
+            return False
+        if len(self._tasks) + len(self._begins) >= self._options.max_tasks:
+            self._counters["store_skipped_capacity"] += 1
+            return False
+        block_ids: list[tuple[int, ...]] = []
+        for info in self._groups:
+            row: tuple[int, ...]
+            if info.kind == "recurrent":
+                row = (int(recurrent.get(info.index, 0)),)
+            else:
+                ids = list(table[info.index]) if info.index < len(table) else []
+                row = tuple(int(ids[p]) if p < len(ids) else 0 for p in info.positions(num_tokens))
+            if any(b == 0 for b in row):
+                self._counters["store_skipped_blocks"] += 1
+                return False
+            block_ids.append(row)
+        try:
+            manifest = self._manifest(request, num_tokens, kind)
+        except Exception as e:
+            logger.warning("checkpoint store for %s not built: %s", request.request_id, e)
+            self._counters["store_build_failed"] += 1
+            return False
+        pins = tuple(dict.fromkeys(b for row in block_ids for b in row))
+        self._pool.touch([self._pool.blocks[b] for b in pins])
+        task = _Task(
+            task_id=uuid.uuid4().hex,
+            direction="STORE",
+            manifest=manifest,
+            block_ids=tuple(block_ids),
+            request_id=request.request_id,
+            kind=kind,
+            pins=pins,
+        )
+        try:
+            future = self._client.begin_async(manifest)
+        except Exception as e:
+            logger.warning("checkpoint store for %s not started: %s", request.request_id, e)
+            self._release(task)
+            self._counters["store_begin_failed"] += 1
+            return False
+        deadline = self._clock() + self._options.begin_timeout
+        self._begins.append(_PendingBegin(task, future, deadline))
+        self._counters[f"stores_begun_{kind}"] += 1
+        return True
+
+    def _manifest(self, request: Request, n: int, kind: str) -> rc.Manifest:
+        roots = self._roots(request, n)
+        boundaries: list[tuple[int, str]] = []
+        for info in self._groups:
+            if info.kind == "recurrent":
+                boundaries.append((n, f"recurrent:{info.index}"))
+            else:
+                boundaries.extend(
+                    (min((p + 1) * info.block_size, n), f"attention:{info.index}")
+                    for p in info.positions(n)
+                )
+        keys = roots.content_keys(boundaries)
+        groups: list[dict[str, Any]] = []
+        at = 0
+        for info in self._groups:
+            positions = info.positions(n)
+            groups.append(
+                {
+                    "name": info.name,
+                    "page_bytes": self._page_bytes(info),
+                    "positions": positions,
+                    "content_keys": keys[at : at + len(positions)],
+                }
+            )
+            at += len(positions)
+        assert self._negotiation.layout is not None
+        payload = rc.CheckpointPayload.build(
+            worker_layout=self._negotiation.layout, page_groups=groups, num_tokens=n
+        )
+        prefix = roots.prefix(n)
+        generation = rc.checkpoint_generation(prefix, payload)
+        return rc.Manifest(generation, prefix, self._world_size, payload)
+
+    def _offers(self, scheduler_output: SchedulerOutput) -> None:
+        """Stores from this step's boundary-state offers (the store policy)."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if state is None or not state.boundary_state_offloads or not self._recurrent:
+            return
+        policy = self._options.store_prompt
+        if policy == "none":
+            return
+        wanted = {g.index for g in self._recurrent}
+        step = min(g.block_size for g in self._recurrent)
+        for rid, entries in state.boundary_state_offloads.items():
+            request = self._requests.get(rid)
+            if request is None or not handles(request) or self._closed:
+                continue
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block, boundary in entries:
+                if group in wanted and block:
+                    by_boundary.setdefault(int(boundary), {})[int(group)] = int(block)
+            prompt = int(request.num_prompt_tokens)
+            for boundary, blocks in sorted(by_boundary.items()):
+                if boundary > prompt or set(blocks) != wanted:
+                    continue
+                if policy == "last" and boundary + step <= prompt:
+                    continue  # a later boundary of this prompt will be offered
+                table = state.get_block_ids(rid)
+                if table is None:
+                    self._counters["store_skipped_blocks"] += 1
+                    continue
+                self._store(request, boundary, table, blocks, "prompt")
+
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished_all_groups``: store the response state, forget the
+        request. Never delays vLLM's free (store sources are pinned instead)."""
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        restore = self._restores.pop(rid, None)
+        if restore is not None and restore.phase is RestorePhase.RESTORING:
+            return False, None  # the load drains; vLLM frees its blocks after finished_recving
+        if (
+            self._options.store_response
+            and not self._closed
+            and handles(request)
+            and "ABORT" not in str(getattr(getattr(request, "status", None), "name", ""))
+        ):
+            n = int(request.num_computed_tokens)
+            if n > 0 and int(getattr(request, "num_in_flight_tokens", 0) or 0) == 0:
+                recurrent: dict[int, int] = {}
+                for info in self._recurrent:
+                    ids = list(block_ids[info.index]) if info.index < len(block_ids) else []
+                    idx = cdiv(n, info.block_size) - 1
+                    recurrent[info.index] = int(ids[idx]) if idx < len(ids) else 0
+                self._store(request, n, block_ids, recurrent, "response")
+        return False, None
+
+    def _pump_begins(self) -> None:
+        """Turns answered BEGINs into tasks; releases suppressed, failed or unanswered ones."""
+        now = self._clock()
+        still: list[_PendingBegin] = []
+        for pb in self._begins:
+            task = pb.task
+            if not pb.future.done():
+                if now < pb.deadline:
+                    still.append(pb)
+                    continue
+                logger.warning(
+                    "no BEGIN reply for %s; aborting the store", task.manifest.generation
+                )
+                self._abort(task.manifest.generation)
+                self._release(task, "store_begin_timeout")
+                continue
+            try:
+                accepted = bool(pb.future.result(0))
+            except Exception as e:
+                logger.warning("BEGIN of %s failed: %s", task.manifest.generation, e)
+                self._abort(task.manifest.generation)
+                self._release(task, "store_begin_failed")
+                continue
+            if not accepted:  # already listed or pending: nothing to write
+                self._release(task, "store_suppressed")
+                continue
+            self._tasks[task.task_id] = task
+        self._begins = still
+
+    def _release(self, task: _Task, counter: str | None = None) -> None:
+        if task.pins and self._pool is not None:
+            self._pool.free_blocks([self._pool.blocks[b] for b in reversed(task.pins)])
+        task.pins = ()
+        if counter:
+            self._counters[counter] += 1
+
+    def _abort(self, generation: str) -> None:
+        try:
+            future = self._client.abort_async(generation)
+            if future is not None:
+                self._background.append(future)
+        except Exception as e:  # the sidecar drops abandoned pending generations itself
+            logger.warning("ABORT of %s could not be sent: %s", generation, e)
+
+    # ------------------------------------------------------------------ per step
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> CheckpointConnectorMetadata:
+        """``build_connector_meta``: this step's stores and restores, each task once."""
+        self._negotiation.settled()
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            restore = self._restores.get(rid)
+            if restore is not None and restore.phase is not RestorePhase.RESTORING:
+                del self._restores[rid]  # a resumed request looks up afresh
+        self._offers(scheduler_output)
+        self._pump_begins()
+        self._background = [f for f in self._background if not f.done()]
+        in_flight = sum(1 for t in self._tasks.values() if t.sent)
+        room = max(0, self._options.max_pending - in_flight)
+        out: list[CheckpointEngineTask] = []
+        # restores first: a request waits on them; stores only hold blocks
+        unsent = sorted(
+            (t for t in self._tasks.values() if not t.sent),
+            key=lambda t: t.direction != "RETRIEVE",
+        )
+        for task in unsent:
+            if task.direction == "RETRIEVE" or len(out) < room:
+                task.sent = True
+                out.append(task.engine_task())
+            else:
+                self._counters["tasks_deferred"] += 1
+        self._counters["tasks_sent"] += len(out)
+        return CheckpointConnectorMetadata(out)
+
+    def update(self, connector_output: Any) -> None:
+        """``update_connector_output``: take layouts and rank results.
+
+        Raises ValueError on a protocol violation (different layouts, a rank
+        outside ``0..world_size-1``, a rank reporting one task twice, an
+        unknown task id).
+        """
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is None:
+            return
+        if not isinstance(meta, CheckpointWorkerMetadata):
+            raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
+        for rank, layout in sorted(meta.layouts.items()):
+            self._negotiation.take(rank, layout)
+        for task_id, ranks in meta.results.items():
+            task = self._tasks.get(task_id)
+            if task is None:
+                raise ValueError(f"worker result for unknown checkpoint task {task_id}")
+            for rank, ok in ranks.items():
+                if not 0 <= rank < self._world_size:
+                    raise ValueError(f"worker rank {rank} is outside 0..{self._world_size - 1}")
+                if rank in task.results:
+                    raise ValueError(f"rank {rank} reported checkpoint task {task_id} twice")
+                task.results[rank] = ok
+            if len(task.results) == self._world_size:
+                self._complete(task)
+
+    def _complete(self, task: _Task) -> None:
+        del self._tasks[task.task_id]
+        ok = all(task.results.values())
+        if task.direction == "STORE":
+            if ok:
+                self._counters[f"stores_committed_{task.kind}"] += 1
+            else:
+                self._counters["stores_failed"] += 1
+                self._abort(task.manifest.generation)
+            self._release(task)
+            return
+        restore = self._restores.get(task.request_id)
+        current = restore is not None and restore.task_id == task.task_id
+        if ok:
+            self._counters["restores_done"] += 1
+            if current and restore is not None:
+                self._counters["tokens_restored"] += restore.restored
+                restore.phase = RestorePhase.DONE
+                restore.reason = "restored"
+            return
+        self._counters["restores_failed"] += 1
+        if current and restore is not None:
+            # vLLM recomputes and asks again: look for a strictly shorter checkpoint
+            restore.phase = RestorePhase.RETRY
+            restore.limit = restore.num_tokens - 1
+            restore.task_id = None
+
+    # ------------------------------------------------------------------ status
+
+    def has_pending_work(self) -> bool:
+        """``has_pending_push_work``: True while stores hold pinned blocks or
+        tasks are outstanding (results only arrive on engine steps)."""
+        if self._closed:
+            return False
+        if not self._negotiation.settled():
+            return True
+        return bool(self._tasks or self._begins)
+
+    def report_status(self) -> dict[str, Any]:
+        """A snapshot for humans and tests."""
+        phases = Counter(str(r.phase) for r in self._restores.values())
+        directions = Counter(t.direction for t in self._tasks.values())
+        return {
+            "mode": "upstream",
+            "world_size": self._world_size,
+            "layout_negotiated": self._negotiation.layout is not None,
+            "layout_failed": self._negotiation.failed,
+            "layout_ranks": sorted(self._negotiation.reports),
+            "lookups": dict(phases),
+            "tasks": {
+                "STORE": directions.get("STORE", 0),
+                "RETRIEVE": directions.get("RETRIEVE", 0),
+                "unsent": sum(1 for t in self._tasks.values() if not t.sent),
+            },
+            "pending_begins": len(self._begins),
+            "pinned_blocks": sum(len(t.pins) for t in self._tasks.values())
+            + sum(len(pb.task.pins) for pb in self._begins),
+            "counters": dict(sorted(self._counters.items())),
+        }
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for key, value in self.report_status().items():
+            text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+            rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
+        return "<table><caption>lmcache-rc (upstream mode)</caption>" + "".join(rows) + "</table>"
+
+    def close(self) -> None:
+        """Stop lookups and stores; pending BEGINs are aborted and their pins
+        released (sent tasks keep theirs: workers may copy)."""
+        if self._closed:
+            return
+        self._closed = True
+        for pb in self._begins:
+            self._abort(pb.task.manifest.generation)
+            self._release(pb.task)
+        self._begins = []
+        for task in list(self._tasks.values()):
+            if not task.sent:
+                del self._tasks[task.task_id]
+                if task.direction == "STORE":
+                    self._abort(task.manifest.generation)
+                    self._release(task)

@@ -1,0 +1,286 @@
+"""Upstream mode end to end, driven by vLLM 0.33's own ``Scheduler``.
+
+Every test builds engine replicas whose scheduler is vLLM's (the connector is
+loaded by vLLM's factory from ``kv_connector_module_path``) and whose worker
+ranks run the toy recurrent model over KV tensors vLLM allocated
+(:mod:`tests_vllm.harness`). A restored page that is wrong makes the model
+raise :class:`~tests_vllm.harness.CorruptCache` or generate other tokens, so
+"identical output" below is a check of every restored byte. After every
+test the engines and the sidecar must be idle (``conftest.make_engine``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from conftest import EngineFactory, Sidecar
+from harness import Engine, ToyModel, cdiv
+
+import lmcache_rc as rc
+
+BS = 16
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """A deterministic prompt of ``n`` tokens."""
+    return [1 + (seed * 7919 + i * 104729) % 997 for i in range(n)]
+
+
+def counters(engine: Engine) -> dict[str, int]:
+    """The scheduler connector's counters."""
+    assert engine.connector is not None and engine.connector.upstream is not None
+    return engine.connector.upstream.counters
+
+
+def restored(engine: Engine) -> int:
+    """Tokens restored from the sidecar so far on ``engine``."""
+    return counters(engine).get("tokens_restored", 0)
+
+
+def durable(sidecar: Sidecar) -> dict[str, Any]:
+    """Sidecar status once the L2 queue drained."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = sidecar.status()
+        if status["l2_queue"] == 0 or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)
+
+
+def test_upstream_mode_is_chosen_for_stock_vllm(make_engine: EngineFactory) -> None:
+    engine = make_engine()
+    assert engine.connector is not None
+    assert type(engine.connector).__name__ == "LMCacheRecurrentCheckpointConnector"
+    assert engine.connector.mode == "upstream"
+    assert engine.connector.upstream is not None
+    assert engine.ranks[0].connector.mode == "upstream"
+
+
+def test_cold_store_then_restore_on_a_second_replica(make_engine: EngineFactory) -> None:
+    prompt = tokens(1, 70)
+    a = make_engine()
+    out_a = a.generate("a", prompt, 6)
+    assert out_a == ToyModel.reference(prompt, 6)
+    assert restored(a) == 0
+    assert counters(a).get("stores_committed_prompt") == 1  # boundary 64 <= 70
+    assert counters(a).get("stores_committed_response") == 1  # 70 + 6 - 1 = 75 tokens
+
+    b = make_engine()  # a new replica: nothing in its own prefix cache
+    out_b = b.generate("b", prompt, 6)
+    assert out_b == out_a
+    assert restored(b) == 64  # the prompt boundary; never the whole prompt
+    assert b.ranks[0].stats.states_read > 0
+
+    # The response state continues a longer prompt from 75 tokens. B's own
+    # prefix cache already holds 64 of them (request "b"), so only the pages
+    # past that hit and the recurrent state at 75 are restored.
+    longer = prompt + out_a + tokens(2, 9)
+    out_c = b.generate("c", longer, 4)
+    assert out_c == ToyModel.reference(longer, 4)
+    assert restored(b) == 64 + (75 - 64)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_two_ranks_restore_byte_exact_in_either_kv_layout(
+    make_engine: EngineFactory, layout: str
+) -> None:
+    prompt = tokens(3, 90)
+    a = make_engine(world_size=2, layout=layout)
+    assert a.generate("a", prompt, 5) == ToyModel.reference(prompt, 5)
+    b = make_engine(world_size=2, layout=layout)
+    assert b.generate("b", prompt, 5) == ToyModel.reference(prompt, 5)
+    assert restored(b) == 80
+    for rank in b.ranks:
+        assert rank.stats.states_read > 0
+
+
+def test_two_ranks_as_separate_processes(make_engine: EngineFactory) -> None:
+    prompt = tokens(4, 50)
+    a = make_engine(world_size=2, processes=True)
+    assert a.generate("a", prompt, 4) == ToyModel.reference(prompt, 4)
+    b = make_engine(world_size=2, processes=True)
+    assert b.generate("b", prompt, 4) == ToyModel.reference(prompt, 4)
+    assert restored(b) == 48
+
+
+def test_multi_turn_chat_restores_each_previous_response(
+    make_engine: EngineFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replicas = [make_engine(), make_engine()]
+    history: list[int] = tokens(5, 40)
+    lines = []
+    previous_end = 0
+    for turn in range(1, 5):
+        engine = replicas[turn % 2]  # alternate replicas: the local cache cannot serve it
+        before = restored(engine)
+        out = engine.generate(f"turn{turn}", history, 6)
+        assert out == ToyModel.reference(history, 6)
+        got = restored(engine) - before
+        cached = engine.prompt_from_cache(f"turn{turn}")
+        # the previous response state serves the prompt up to where it ended:
+        # from this replica's own prefix cache where it has the pages, the rest
+        # (always including the recurrent state) restored from the sidecar
+        assert cached == previous_end
+        assert (got > 0) == (turn > 1)
+        lines.append(
+            f"turn {turn}: prompt {len(history)} tokens, restored {got}, "
+            f"local {cached - got}, recomputed {len(history) - cached}"
+        )
+        previous_end = len(history) + len(out) - 1  # the response state's tokens
+        history = history + out + tokens(100 + turn, 12)
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def test_shared_system_prompt_restores_across_requests(make_engine: EngineFactory) -> None:
+    # vLLM offers the Mamba states it retains: with a retention interval of one
+    # block (--prefix-cache-retention-interval 16) and chunks of 48 tokens, one
+    # exists at the end of the shared system prompt, and store_prompt="all"
+    # stores every offered boundary.
+    system = tokens(6, 48)
+    first = system + tokens(7, 20)
+    second = system + tokens(8, 25)
+    config = {"store_prompt": "all", "retention_interval": 16, "max_num_batched_tokens": 48}
+    a = make_engine(**config)
+    assert a.generate("a", first, 3) == ToyModel.reference(first, 3)
+    b = make_engine(**config)  # vLLM's config hash is part of the identity
+    assert b.generate("b", second, 3) == ToyModel.reference(second, 3)
+    assert restored(b) == 48  # the last block boundary inside the shared system prompt
+
+
+def test_exact_replay_writes_zero_payload_bytes(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    prompt = tokens(9, 60)
+    make_engine().generate("a", prompt, 5)
+    before = durable(sidecar)
+    assert before["l2_bytes_written"] > 0
+    b = make_engine()
+    assert b.generate("b", prompt, 5) == ToyModel.reference(prompt, 5)
+    assert restored(b) == 48
+    after = durable(sidecar)
+    assert after["l2_bytes_written"] == before["l2_bytes_written"]
+    assert after["generations"] == before["generations"]
+    assert counters(b).get("store_suppressed") == 2  # the prompt and response checkpoints
+
+
+def test_a_failed_rank_restore_recomputes_with_identical_output(
+    make_engine: EngineFactory,
+) -> None:
+    prompt = tokens(10, 70)
+    make_engine(world_size=2).generate("a", prompt, 5)
+    b = make_engine(world_size=2)
+    b.ranks[1].inject_fault("fail", 1)  # rank 1's next copy fails
+    assert b.generate("b", prompt, 5) == ToyModel.reference(prompt, 5)
+    assert counters(b).get("restores_failed") == 1
+    assert restored(b) == 0  # vLLM recomputed; the failed checkpoint was not offered again
+
+
+def test_a_failed_rank_store_publishes_nothing(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    prompt = tokens(11, 40)
+    a = make_engine(world_size=2)
+    a.ranks[1].inject_fault("fail", 10)
+    assert a.generate("a", prompt, 3) == ToyModel.reference(prompt, 3)
+    assert counters(a).get("stores_failed") == 2
+    assert durable(sidecar)["generations"] == 0
+    b = make_engine(world_size=2)
+    assert b.generate("b", prompt, 3) == ToyModel.reference(prompt, 3)
+    assert restored(b) == 0
+
+
+def test_abort_during_async_load_frees_blocks_only_after_copies_drain(
+    make_engine: EngineFactory,
+) -> None:
+    prompt = tokens(12, 100)
+    make_engine().generate("a", prompt, 2)
+    b = make_engine()
+    b.ranks[0].inject_fault("delay", 1, 1.0)  # the restore copy takes a second
+    b.add("b", prompt, 2)
+    request = b.scheduler.requests["b"]
+    for _ in range(50):
+        b.step()
+        if request.status.name == "WAITING_FOR_REMOTE_KVS":
+            break
+    assert request.status.name == "WAITING_FOR_REMOTE_KVS"
+    held = b.total_blocks() - b.free_blocks()
+    assert held >= cdiv(96, BS)
+    b.abort(["b"])
+    assert b.total_blocks() - b.free_blocks() == held  # still held: the copy runs
+    b.run()
+    assert b.free_blocks() == b.total_blocks()
+    assert "b" not in b.finished or b.finished["b"].output == []
+
+
+def test_preempted_restored_request_resumes_with_identical_output(
+    make_engine: EngineFactory,
+) -> None:
+    prompts = [tokens(20 + i, 60) for i in range(3)]
+    a = make_engine()
+    for i, p in enumerate(prompts):
+        a.generate(f"a{i}", p, 2)
+    b = make_engine(num_blocks=16, max_model_len=128)
+    reqs = [b.add(f"b{i}", p, 40) for i, p in enumerate(prompts)]
+    b.run()
+    for i, p in enumerate(prompts):
+        assert b.finished[f"b{i}"].output == ToyModel.reference(p, 40)
+    assert sum(r.num_preemptions for r in reqs) > 0, "the pool was large enough: no preemption"
+    assert restored(b) > 0
+
+
+def test_sidecar_stopped_mid_run_recomputes_then_reconnects(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    prompt = tokens(13, 70)
+    make_engine().generate("a", prompt, 3)
+    durable(sidecar)
+    b = make_engine()
+    sidecar.stop()
+    started = time.monotonic()
+    assert b.generate("b1", prompt, 3) == ToyModel.reference(prompt, 3)
+    assert time.monotonic() - started < 30  # no hang on the dead sidecar
+    assert restored(b) == 0
+    sidecar.start()  # same index and L2 path: the generations are durable
+    deadline = time.monotonic() + 30
+    i = 0
+    while restored(b) == 0 and time.monotonic() < deadline:
+        i += 1
+        assert b.scheduler.reset_prefix_cache()  # so only the sidecar can serve it
+        assert b.generate(f"b{i + 1}", prompt, 3) == ToyModel.reference(prompt, 3)
+        time.sleep(0.2)
+    assert restored(b) == 64  # the same engine reconnected in the background
+
+
+def test_cache_salt_separates_tenants(make_engine: EngineFactory) -> None:
+    prompt = tokens(14, 50)
+    a = make_engine()
+    a.add("a", prompt, 3, cache_salt="tenant-a")
+    a.run()
+    b = make_engine()
+    b.add("b", prompt, 3, cache_salt="tenant-b")
+    b.run()
+    assert restored(b) == 0
+    b.add("c", prompt, 3, cache_salt="tenant-a")
+    b.run()
+    assert restored(b) == 48
+
+
+def test_the_sidecar_client_lists_upstream_generations(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    prompt = tokens(15, 33)
+    make_engine().generate("a", prompt, 2)
+    status = durable(sidecar)
+    assert status["generations"] == 2  # boundary 32 and the response at 34 tokens
+    client = rc.Client(sidecar.socket)
+    try:
+        assert client.status()["store_leases"] == 0
+    finally:
+        client.close()
+
+
+def test_the_installed_wheel_is_under_test() -> None:
+    assert "site-packages" in (rc.__file__ or ""), rc.__file__
