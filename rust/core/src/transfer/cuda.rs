@@ -1,4 +1,5 @@
-//! The CUDA backend: page pool in GPU memory, copies by the driver's DMA.
+//! The CUDA backend: KV memory in GPU memory (a 2-D page pool or per-layer
+//! tensors), copies by the driver's DMA.
 //!
 //! The driver is loaded at run time (cudarc's dynamic loading), so builds
 //! need no CUDA toolkit and hosts without a GPU still import the module.
