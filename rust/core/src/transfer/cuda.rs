@@ -459,6 +459,10 @@ impl CopyBackend for CudaBackend {
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
         let runs = copy_runs(plan, &self.layout, pool.size())?;
+        if runs.is_empty() {
+            // Every page was deduplicated: nothing to wait for or copy.
+            return Ok(());
+        }
         // SAFETY: the context is this backend's (retained in `with_layout`).
         let current = unsafe { sys::cuCtxSetCurrent(self.ctx) };
         check(current, "cuCtxSetCurrent").map_err(CopyFailure::Recoverable)?;
