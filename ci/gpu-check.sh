@@ -7,8 +7,10 @@
 #     bash ci/gpu-check.sh
 # It installs the wheel into a throw-away virtual environment that sees the
 # system's torch and numpy, runs the gpu-marked tests (GPU -> SHM -> GPU
-# round trip byte-exact, producer-event ordering, a failed copy reported
-# False, bandwidth against torch pinned-memory copies) and prints the ratios.
+# round trip byte-exact for a 2-D pool and for region pages over several
+# tensors with copies in parallel, producer-event ordering, a failed copy
+# reported False, bandwidth against torch pinned-memory copies) and prints
+# the ratios.
 # Bounded to 5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,6 +33,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,7 @@ class PageRegions:
         # Frozen: store immutable copies, so the layout cannot change after
         # an engine was bound to it.
         object.__setattr__(self, "buffers", tuple(buffers))
-        object.__setattr__(self, "groups", frozen)
+        object.__setattr__(self, "groups", MappingProxyType(frozen))
 
 
 def _is_cuda_tensor(pool: object) -> bool:

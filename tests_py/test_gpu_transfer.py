@@ -203,6 +203,81 @@ def test_copy_bandwidth_against_torch_pinned_copies(server: Any) -> None:
     restore.close()
 
 
+REGION_LAYOUT = {"schema_version": 1, "layout": "gpu-regions"}
+
+
+def _region_manifest(seq: int, pages: dict[str, tuple[int, int]]) -> rc.Manifest:
+    """One rank's manifest with one group per ``name: (page_bytes, pages)``."""
+    roots = rc.TokenRoots.build("gpu-regions", [seq, *range(64)])
+    groups = [
+        {
+            "name": name,
+            "page_bytes": page_bytes,
+            "positions": list(range(n)),
+            "content_keys": roots.content_keys([(k + 1, f"{name}:{k}") for k in range(n)]),
+        }
+        for name, (page_bytes, n) in pages.items()
+    ]
+    payload = rc.CheckpointPayload.build(worker_layout=REGION_LAYOUT, page_groups=groups)
+    prefix = roots.prefix(64)
+    return rc.Manifest(rc.checkpoint_generation(prefix, payload), prefix, 1, payload)
+
+
+def test_gpu_region_pages_round_trip_byte_exact(server: Any) -> None:
+    # Two layer tensors; attention pages are the K and V halves of a block
+    # in both layers, Mamba pages the first `state` bytes of the same blocks
+    # (vLLM's layer-outermost hybrid layout). Six jobs copy at once (four
+    # copy threads: each copy has its own stream and completes by event).
+    from lmcache_rc.worker import CheckpointWorker, PageRegions
+
+    nb, p, state = 64, 4096, 3072
+    half = p // 2
+    groups = {
+        "attn": [(0, 0, p, half), (0, half, p, half), (1, 0, p, half), (1, half, p, half)],
+        "ssm": [(0, 0, p, state), (1, 0, p, state)],
+    }
+    src = [torch.randint(0, 256, (nb * p,), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+    jobs = 6
+    manifests = [
+        _region_manifest(k, {"attn": (4 * half, 4), "ssm": (2 * state, 1)}) for k in range(jobs)
+    ]
+    ids = [[[1 + 5 * k + i for i in range(4)], [5 + 5 * k]] for k in range(jobs)]
+    options: dict[str, Any] = {"workers": 4, "max_pending": jobs + 4}
+    with rc.Client(server.socket_path) as client:
+        for m in manifests:
+            assert client.begin(m)
+        for direction, bufs in (("STORE", src), ("RETRIEVE", dst)):
+            pool = PageRegions(buffers=bufs, groups=groups, num_blocks=nb)
+            with CheckpointWorker(
+                server.socket_path,
+                rank=0,
+                world_size=1,
+                layout=REGION_LAYOUT,
+                page_pool=pool,
+                **options,
+            ) as worker:
+                assert worker.engine.backend == "cuda"
+                for k, m in enumerate(manifests):
+                    assert worker.submit(f"{direction}{k}", m, direction, ids[k])
+                deadline = time.monotonic() + 120
+                results: dict[str, bool] = {}
+                while len(results) < jobs and time.monotonic() < deadline:
+                    results.update(worker.collect())
+                    time.sleep(0.005)
+                assert results == {f"{direction}{k}": True for k in range(jobs)}
+        assert client.status()["store_leases"] == 0
+    torch.cuda.synchronize()
+    expected = [torch.zeros_like(t) for t in src]
+    for job_ids in ids:
+        for name, blocks in zip(("attn", "ssm"), job_ids, strict=True):
+            for block in blocks:
+                for b, off, stride, n in groups[name]:
+                    at = off + block * stride
+                    expected[b][at : at + n] = src[b][at : at + n]
+    assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True))
+
+
 if __name__ == "__main__":  # run without pytest: ci/gpu-check.sh on a bare machine
     _require_gpu()
     failures = 0

@@ -703,6 +703,35 @@ def test_store_pins_until_every_rank_reported_and_publishes(client: WrappedClien
     manager.assert_balanced()
 
 
+def test_bridge_payloads_are_canonical_checkpoint_payloads(client: WrappedClient) -> None:
+    # The Rust payload type parses what the bridge writes and rebuilds the
+    # very same bytes, so switching the bridge to it keeps generation ids.
+    bridge, manager, _ = make_bridge(client)
+    producer = Req("p", list(TOKENS))
+    ck = manager.publish_local(producer, 11)
+    assert bridge.store(producer, ck)
+    (task,) = wait_tasks(bridge)
+    parsed = rc.CheckpointPayload.parse(task.manifest.payload)
+    assert parsed.to_bytes() == task.manifest.payload
+    assert parsed.worker_layout == LAYOUT
+    assert (parsed.kind, parsed.draft_prefix_len, parsed.num_tokens) == ("prompt", 11, None)
+    assert parsed.page_groups == task.manifest.page_groups()
+    assert (
+        rc.CheckpointPayload.build(
+            worker_layout=LAYOUT,
+            page_groups=task.manifest.page_groups(),
+            draft_prefix_len=11,
+            kind="prompt",
+        )
+        == task.manifest.payload
+    )
+    run_ranks(client.client, [task])
+    results = {task.task_id: {0: True, 1: True}}
+    bridge.update(output(CheckpointWorkerMetadata(results=results)))
+    assert not bridge.has_pending_work()
+    manager.assert_balanced()
+
+
 def test_failed_begin_releases_source_pin_after_request_cancellation(
     client: WrappedClient,
 ) -> None:

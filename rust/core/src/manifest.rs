@@ -683,6 +683,94 @@ mod tests {
         assert!(Manifest::new("g", prefix(), 1, b"{\"schema_version\":2}".to_vec()).is_ok());
     }
 
+    fn payload(kind: Option<&str>) -> CheckpointPayload {
+        let mut layout = std::collections::BTreeMap::new();
+        layout.insert("page_bytes".to_string(), json::Value::Int(4096));
+        layout.insert("név".to_string(), json::Value::Str("q\"🙂".into()));
+        CheckpointPayload {
+            worker_layout: json::Value::Object(layout),
+            page_groups: vec![
+                PageGroup {
+                    name: "engine-kv-group:0".into(),
+                    page_bytes: 4096,
+                    positions: vec![0, 1, u64::MAX],
+                    content_keys: vec![[0xab; 32], [0x01; 32], [0xff; 32]],
+                },
+                PageGroup {
+                    name: "target-draft-auxiliary".into(),
+                    page_bytes: 4096,
+                    positions: vec![0],
+                    content_keys: vec![[0x12; 32]],
+                },
+            ],
+            draft_prefix_len: kind.map(|_| 11),
+            kind: kind.map(str::to_string),
+            num_tokens: None,
+        }
+    }
+
+    #[test]
+    fn a_payload_is_written_as_cpython_writes_it() {
+        // The text CPython's json.dumps(sort_keys=True, separators=(",", ":"))
+        // writes for the same dict (checked against CPython in
+        // tests_py/test_checkpoint_payload.py for many more payloads).
+        let (ab, one, ff, x12) = (
+            "ab".repeat(32),
+            "01".repeat(32),
+            "ff".repeat(32),
+            "12".repeat(32),
+        );
+        let expected = format!(
+            r#"{{"draft_prefix_len":11,"kind":"prompt","page_groups":[{{"content_keys":["{ab}","{one}","{ff}"],"name":"engine-kv-group:0","page_bytes":4096,"positions":[0,1,18446744073709551615]}},{{"content_keys":["{x12}"],"name":"target-draft-auxiliary","page_bytes":4096,"positions":[0]}}],"schema_version":2,"worker_layout":{{"n\u00e9v":"q\"\ud83d\ude42","page_bytes":4096}}}}"#
+        );
+        let p = payload(Some("prompt"));
+        let bytes = p.build().unwrap();
+        assert_eq!(String::from_utf8(bytes.clone()).unwrap(), expected);
+        assert_eq!(CheckpointPayload::parse(&bytes).unwrap(), p);
+        assert_eq!(
+            PayloadSchema::parse(&bytes).unwrap(),
+            p.schema(),
+            "both parsers read the same groups"
+        );
+        // Upstream mode: no kind, no draft length.
+        let upstream = payload(None);
+        let text = String::from_utf8(upstream.build().unwrap()).unwrap();
+        assert!(text.starts_with(r#"{"page_groups":"#), "{text}");
+        assert_eq!(CheckpointPayload::parse(text.as_bytes()).unwrap(), upstream);
+    }
+
+    #[test]
+    fn a_payload_refuses_what_it_could_not_write() {
+        let mut p = payload(Some("prompt"));
+        p.kind = None;
+        assert!(p.build().is_err(), "draft_prefix_len without kind");
+        let mut p = payload(Some("prompt"));
+        p.num_tokens = Some(5);
+        assert!(p.build().is_err(), "draft_prefix_len beyond num_tokens");
+        let mut p = payload(None);
+        p.page_groups[1].content_keys.clear();
+        assert!(p.build().is_err(), "schema 2 needs content keys");
+        let mut p = payload(None);
+        p.worker_layout = json::Value::List(vec![]);
+        assert!(p.build().is_err(), "the layout must be an object");
+        let good = String::from_utf8(payload(None).build().unwrap()).unwrap();
+        for (bad, needle) in [
+            (
+                good.replace("\"schema_version\":2", "\"schema_version\":1"),
+                "schema 2",
+            ),
+            (good.replacen('{', r#"{"extra":1,"#, 1), "unknown key"),
+            (good.replace("4096}}", "4096.5}}"), "worker_layout"),
+            (
+                good.replace(r#","worker_layout""#, r#","x""#),
+                "unknown key",
+            ),
+        ] {
+            let e = CheckpointPayload::parse(bad.as_bytes()).unwrap_err();
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
+    }
+
     #[test]
     fn schema_two_groups_need_content_keys() {
         let payload =

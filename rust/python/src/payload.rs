@@ -236,18 +236,21 @@ impl PyCheckpointPayload {
     }
 
     fn __repr__(&self) -> String {
+        let opt = |v: Option<u64>| v.map_or_else(|| "None".to_string(), |v| v.to_string());
         format!(
-            "CheckpointPayload(groups={}, pages={}, kind={:?}, draft_prefix_len={:?}, \
-             num_tokens={:?})",
+            "CheckpointPayload(groups={}, pages={}, kind={}, draft_prefix_len={}, num_tokens={})",
             self.inner.page_groups.len(),
             self.inner
                 .page_groups
                 .iter()
                 .map(|g| g.positions.len())
                 .sum::<usize>(),
-            self.inner.kind,
-            self.inner.draft_prefix_len,
-            self.inner.num_tokens
+            self.inner
+                .kind
+                .as_ref()
+                .map_or_else(|| "None".to_string(), |k| format!("{k:?}")),
+            opt(self.inner.draft_prefix_len),
+            opt(self.inner.num_tokens)
         )
     }
 }

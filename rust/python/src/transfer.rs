@@ -417,7 +417,8 @@ impl PyTransferEngine {
     }
 
     /// Admits a job: `direction` "STORE" or "RETRIEVE", `block_ids` the
-    /// page-pool rows per manifest page group (auxiliary group last). Returns
+    /// blocks per manifest page group (auxiliary group last; rows of a 2-D
+    /// pool). Returns
     /// a `TransferFuture`, or None when refused (closing, unsafe, or
     /// `max_pending` jobs in flight). Bad arguments raise `InvalidInput`.
     #[pyo3(signature = (manifest, rank, direction, block_ids, producer_event = None))]

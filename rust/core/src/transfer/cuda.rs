@@ -1,4 +1,5 @@
-//! The CUDA backend: page pool in GPU memory, copies by the driver's DMA.
+//! The CUDA backend: KV memory in GPU memory (a 2-D page pool or per-layer
+//! tensors), copies by the driver's DMA.
 //!
 //! The driver is loaded at run time (cudarc's dynamic loading), so builds
 //! need no CUDA toolkit and hosts without a GPU still import the module.
@@ -458,6 +459,10 @@ impl CopyBackend for CudaBackend {
     ) -> std::result::Result<(), CopyFailure> {
         self.faults.apply()?;
         let runs = copy_runs(plan, &self.layout, pool.size())?;
+        if runs.is_empty() {
+            // Every page was deduplicated: nothing to wait for or copy.
+            return Ok(());
+        }
         // SAFETY: the context is this backend's (retained in `with_layout`).
         let current = unsafe { sys::cuCtxSetCurrent(self.ctx) };
         check(current, "cuCtxSetCurrent").map_err(CopyFailure::Recoverable)?;

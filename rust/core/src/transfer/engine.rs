@@ -89,7 +89,8 @@ pub struct Job {
     pub rank: u32,
     /// Store (pool → SHM) or retrieve (SHM → pool).
     pub direction: Direction,
-    /// Page-pool rows per manifest page group (auxiliary group last).
+    /// Blocks per manifest page group (auxiliary group last): rows of a 2-D
+    /// page pool, block ids of a region layout.
     pub block_ids: Vec<Vec<u64>>,
     /// A backend event (CUDA: a `CUevent` handle) the copy must wait for.
     /// The caller guarantees it is a live event of the backend's context
