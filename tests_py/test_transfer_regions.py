@@ -165,35 +165,8 @@ def test_numpy_region_buffers_roundtrip_byte_exact(server: Any) -> None:
     assert idle(client) == (0, 0, 0)
 
 
-def test_torch_cpu_tensor_buffers_roundtrip_byte_exact(server: Any) -> None:
-    torch = pytest.importorskip(
-        "torch",
-        reason="torch is not a dependency of lmcache-rc; this path runs where torch is "
-        "installed (e.g. the vLLM environment)",
-    )
-    m = manifest(5000)
-    client = rc.Client(server.socket_path)
-    assert client.begin(m)
-    # Layer tensors of another dtype: their bytes are used as they are.
-    tensors = [
-        torch.zeros(NB * P // 2, dtype=torch.float16),
-        torch.zeros(NB * P // 2, dtype=torch.float16),
-        torch.zeros(NB * AUX, dtype=torch.uint8),
-    ]
-    bufs = [t.view(torch.uint8).numpy() for t in tensors]  # shared views for writing
-    write_pages(bufs, m, ids_from(1))
-    with CheckpointWorker(
-        server.socket_path, rank=0, world_size=1, layout=LAYOUT, page_pool=regions(tensors)
-    ) as worker:
-        assert worker.submit("s", m, "STORE", ids_from(1))
-        assert collect_all(worker, 1) == {"s": True}
-        for t in tensors:
-            t.zero_()
-        assert worker.submit("r", m, "RETRIEVE", ids_from(10))
-        assert collect_all(worker, 1) == {"r": True}
-    for got, want in zip(bufs, image(0, m, ids_from(10)), strict=True):
-        assert np.array_equal(got, want)
-    assert idle(client) == (0, 0, 0)
+# torch CPU tensors as buffers (torch is not a dependency here) run in every
+# test of tests_vllm/: upstream mode binds vLLM's KV-cache storages that way.
 
 
 def test_a_template_outside_its_buffer_is_refused_when_bound(server: Any) -> None:

@@ -60,6 +60,7 @@ __all__ = [
     "SingleTypeManager",
     "SpeculativeConfig",
     "SupportsHMA",
+    "UpstreamKVCacheManager",
     "VllmConfig",
     "engine_group_name",
     "has_boundary_api",
@@ -667,6 +668,14 @@ class KVCacheManager(Protocol):
     def discard_external_boundary_checkpoint(self, checkpoint_id: int) -> None:
         """Release an unpublished import (every rank must have reported first)."""
         ...
+
+
+class UpstreamKVCacheManager(Protocol):
+    """``vllm.v1.core.kv_cache_manager.KVCacheManager`` as stock vLLM 0.33 binds it
+    (``bind_kv_cache_manager``); the fork's manager also has ``boundary_checkpoints``."""
+
+    block_pool: BlockPool
+    kv_cache_config: KVCacheConfig
 
 
 ADMISSION_METHODS: tuple[str, ...] = (

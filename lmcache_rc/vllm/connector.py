@@ -38,11 +38,17 @@ from typing import Any, ClassVar
 from lmcache_rc import errors
 from lmcache_rc.vllm.api import (
     VLLM_AVAILABLE,
+    BlockPool,
+    KVCacheBlocks,
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorOutput,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    Request,
+    SchedulerOutput,
     SupportsHMA,
+    UpstreamKVCacheManager,
     has_boundary_api,
     has_upstream_api,
     spec_kind,
@@ -408,7 +414,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         self._client = client
         return client
 
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: UpstreamKVCacheManager) -> None:
         """vLLM (scheduler): the cache manager is built; upstream mode connects here."""
         parent = getattr(super(), "bind_kv_cache_manager", None)
         if parent is not None:
@@ -437,7 +443,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             self._world_size,
         )
 
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keeps the block pool (upstream stores pin their sources in it)."""
         self._block_pool = gpu_block_pool
         if self._upstream is not None:
@@ -476,13 +482,13 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Fork hook: tokens of the local hit that an import published for this request."""
         return 0 if self._bridge is None else self._bridge.external_tokens(request)
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """vLLM: a request arrived (upstream stores need its tokens later)."""
         if self._upstream is not None:
             self._upstream.on_new_request(request)
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Upstream: ``(None, False)`` while looking up, ``(n, True)`` to restore
         asynchronously. Boundary mode: ``(0, False)`` (imports are published
@@ -491,7 +497,9 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             return 0, False
         return self._upstream.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Upstream: a RETRIEVE task into the allocated blocks. Boundary: the
         published import was admitted."""
         if self._upstream is not None:
@@ -504,7 +512,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         if self._bridge is not None:
             self._bridge.store(request, checkpoint)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's new copy tasks, each emitted exactly once."""
         if self._upstream is not None:
             if not hasattr(scheduler_output, "kv_connector_block_state"):
@@ -520,7 +528,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             return self._bridge.build_meta(scheduler_output)
         return CheckpointConnectorMetadata()
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Rank layouts and results: negotiate, publish, discard, release."""
         if self._upstream is not None:
             self._upstream.update(connector_output)
@@ -528,13 +536,13 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             self._bridge.update(connector_output)
 
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Single-group form of :meth:`request_finished_all_groups`."""
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Upstream: store the response state (its blocks are pinned, so vLLM
         frees at once). Boundary: cancel the lookup. Always ``(False, None)``."""

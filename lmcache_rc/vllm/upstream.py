@@ -71,6 +71,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_COMPLETED = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
+"""Request statuses whose final state is worth storing (not aborted, ignored or failed)."""
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """One vLLM KV-cache group as the scheduler side sees it."""
@@ -539,11 +543,12 @@ class UpstreamScheduler:
         restore = self._restores.pop(rid, None)
         if restore is not None and restore.phase is RestorePhase.RESTORING:
             return False, None  # the load drains; vLLM frees its blocks after finished_recving
+        status = str(getattr(getattr(request, "status", None), "name", "FINISHED_STOPPED"))
         if (
             self._options.store_response
             and not self._closed
             and handles(request)
-            and "ABORT" not in str(getattr(getattr(request, "status", None), "name", ""))
+            and status in _COMPLETED
         ):
             n = int(request.num_computed_tokens)
             if n > 0 and int(getattr(request, "num_in_flight_tokens", 0) or 0) == 0:
