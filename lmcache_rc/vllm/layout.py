@@ -99,6 +99,18 @@ def _runs(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> list[t
     return runs
 
 
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, with touching or overlapping runs joined."""
+    out: list[tuple[int, int]] = []
+    for off, length in sorted(runs):
+        if out and off <= out[-1][0] + out[-1][1]:
+            end = max(out[-1][0] + out[-1][1], off + length)
+            out[-1] = (out[-1][0], end - out[-1][0])
+        else:
+            out.append((off, length))
+    return out
+
+
 def build_upstream_layout(
     kv_caches: Mapping[str, Any], kv_cache_config: KVCacheConfig
 ) -> UpstreamLayout:
@@ -127,39 +139,54 @@ def build_upstream_layout(
             tensors = _tensors(kv_caches.get(layer))
             if not tensors:
                 raise LayoutError(f"register_kv_caches has no tensor for layer {layer!r}")
-            view = tensors[0]
-            if len(view.shape) < 1 or int(view.shape[0]) < num_blocks:
-                raise LayoutError(
-                    f"the KV-cache view of {layer!r} has shape {tuple(view.shape)}; expected "
-                    f"blocks along dimension 0 ({num_blocks} blocks)"
-                )
-            storage = view.untyped_storage()
-            base = int(storage.data_ptr())
-            if base not in storages:
-                import torch  # type: ignore[import-not-found, unused-ignore]  # a worker with KV caches has torch
+            # One view, or one view per state tensor (a Mamba layer's conv and
+            # SSM states): block b of the layer is the union of every view's [b].
+            starts: list[tuple[int, int]] = []
+            buffer = -1
+            block_stride = 0
+            for view in tensors:
+                if len(view.shape) < 1 or int(view.shape[0]) < num_blocks:
+                    raise LayoutError(
+                        f"the KV-cache view of {layer!r} has shape {tuple(view.shape)}; "
+                        f"expected blocks along dimension 0 ({num_blocks} blocks)"
+                    )
+                storage = view.untyped_storage()
+                base = int(storage.data_ptr())
+                if base not in storages:
+                    import torch  # type: ignore[import-not-found, unused-ignore]
 
-                flat = torch.empty(0, dtype=torch.uint8, device=view.device).set_(
-                    storage, 0, (int(storage.nbytes()),)
+                    flat = torch.empty(0, dtype=torch.uint8, device=view.device).set_(
+                        storage, 0, (int(storage.nbytes()),)
+                    )
+                    storages[base] = (len(storages), flat)
+                index, flat = storages[base]
+                itemsize = int(view.element_size())
+                stride = int(view.stride(0)) * itemsize
+                if buffer not in (-1, index) or block_stride not in (0, stride):
+                    raise LayoutError(
+                        f"the state tensors of {layer!r} do not share one allocation and "
+                        "block stride"
+                    )
+                buffer, block_stride = index, stride
+                start = int(view.data_ptr()) - base
+                starts.extend(
+                    (start + off, length)
+                    for off, length in _runs(view.shape[1:], view.stride()[1:], itemsize)
                 )
-                storages[base] = (len(storages), flat)
-            buffer, flat = storages[base]
-            itemsize = int(view.element_size())
-            start = int(view.data_ptr()) - base
-            block_stride = int(view.stride(0)) * itemsize
-            runs = _runs(view.shape[1:], view.stride()[1:], itemsize)
             total = 0
             layer_regions: list[tuple[int, int, int, int]] = []
-            for off, length in runs:
+            for off, length in _merge(starts):
                 if total >= real:
-                    break
+                    break  # padding past the state bytes is not copied
                 length = min(length, real - total)
-                layer_regions.append((buffer, start + off, block_stride, length))
+                layer_regions.append((buffer, off, block_stride, length))
                 total += length
             if total != real:
                 raise LayoutError(
                     f"the KV-cache view of {layer!r} covers {total} bytes per block, its spec "
                     f"says {real}"
                 )
+            flat = next(f for i, f in storages.values() if i == buffer)
             size = int(flat.numel())
             for _, off, stride, length in layer_regions:
                 last = off + (num_blocks - 1) * stride + length
@@ -168,8 +195,11 @@ def build_upstream_layout(
                         f"a page region of {layer!r} leaves its KV-cache allocation "
                         f"({off} + {num_blocks - 1} x {stride} + {length} > {size})"
                     )
-            regions.extend(layer_regions)
-            layers.append([layer, real, [length for *_, length in layer_regions]])
+            fresh = [r for r in layer_regions if r not in regions]
+            if not fresh:
+                continue  # a layer sharing another layer's cache (vLLM's KV sharing)
+            regions.extend(fresh)
+            layers.append([layer, real, [length for *_, length in fresh]])
         _check_disjoint(gi, regions)
         block_size = int(group.kv_cache_spec.block_size)
         page_bytes = sum(r[3] for r in regions)
