@@ -24,14 +24,13 @@ here as well, because this module is where both are interpreted.
 
 from __future__ import annotations
 
-import html
 import json
 import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lmcache_rc as rc
@@ -40,14 +39,20 @@ from lmcache_rc.vllm.api import (
     AuxiliaryGroupName,
     BoundaryCheckpoint,
     CheckpointEngineTask,
-    Direction,
     engine_group_name,
     is_recurrent_group,
     supports_admission_api,
 )
-from lmcache_rc.vllm.common import LayoutNegotiation, RestorePhase, check_rank, handles
+from lmcache_rc.vllm.common import (
+    CopyTask,
+    LayoutNegotiation,
+    RestorePhase,
+    TaskBook,
+    check_rank,
+    handles,
+)
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
-from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
+from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
 
 __all__ = ["CheckpointSchedulerBridge"]
 
@@ -93,20 +98,12 @@ class _Found:
     kind: str
 
 
-@dataclass(eq=False)
-class _Task:
-    """One copy task from creation to the last rank's result."""
+@dataclass(eq=False, kw_only=True)
+class _Task(CopyTask):
+    """A copy task of boundary mode: the bundle it pins or fills."""
 
-    task_id: str
-    direction: Direction
-    manifest: rc.Manifest
-    block_ids: tuple[tuple[int, ...], ...]
-    request_id: str
     checkpoint: BoundaryCheckpoint
     lookup: _Lookup | None = None
-    sent: bool = False
-    sent_at: float | None = None
-    results: dict[int, bool] = field(default_factory=dict)
 
     def engine_task(self) -> CheckpointEngineTask:
         return CheckpointEngineTask(
@@ -115,15 +112,6 @@ class _Task:
             direction=self.direction,
             block_ids=self.block_ids,
         )
-
-
-@dataclass(eq=False)
-class _PendingBegin:
-    """A store whose BEGIN reply has not been seen yet."""
-
-    task: _Task
-    future: SidecarFuture
-    deadline: float
 
 
 def _check_page_bytes(rank: int, layout: Mapping[str, Any]) -> None:
@@ -135,7 +123,7 @@ def _check_page_bytes(rank: int, layout: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- the bridge
 
 
-class CheckpointSchedulerBridge:
+class CheckpointSchedulerBridge(TaskBook[_Task]):
     """Decides what to store and restore, and tracks every copy to its end.
 
     One instance lives in the scheduler process, owned by the connector (role
@@ -167,21 +155,22 @@ class CheckpointSchedulerBridge:
         layout_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        super().__init__(
+            client,
+            world_size,
+            begin_timeout=lookup_timeout if begin_timeout is None else begin_timeout,
+            clock=clock,
+        )
         if max_lookup_attempts < 1:
             raise ValueError("max_lookup_attempts must be at least 1")
         if manager.boundary_checkpoints is None:
             raise ValueError("the KV cache manager has no boundary-checkpoint cache")
-        self._client = NonBlockingSidecar(client)
         self._manager = manager
         self._cache = manager.boundary_checkpoints
         self._identity: dict[str, Any] = dict(identity)
         self._identity.pop("layout", None)
-        self._world_size = world_size
         self._chunk_tokens = chunk_tokens
         self._lookup_timeout = lookup_timeout
-        self._begin_timeout = lookup_timeout if begin_timeout is None else begin_timeout
         self._max_attempts = max_lookup_attempts
         self._max_tasks = max_tasks
         # Tasks sent to the ranks and not yet reported by all of them: never
@@ -191,7 +180,6 @@ class CheckpointSchedulerBridge:
         if self._max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self._task_timeout = task_timeout
-        self._clock = clock
         self._admission = supports_admission_api(manager)
         groups = list(manager.kv_cache_config.kv_cache_groups)
         self._recurrent: tuple[bool, ...] = tuple(is_recurrent_group(g) for g in groups)
@@ -209,12 +197,7 @@ class CheckpointSchedulerBridge:
         )
         # requests, tasks
         self._lookups: dict[str, _Lookup] = {}
-        self._tasks: dict[str, _Task] = {}
-        self._begins: list[_PendingBegin] = []
         self._cancelled: dict[str, set[str]] = {}
-        self._background: list[SidecarFuture] = []
-        self._counters: Counter[str] = Counter()
-        self._closed = False
 
     # ------------------------------------------------------------------ properties
 
@@ -576,7 +559,7 @@ class CheckpointSchedulerBridge:
             request_id=request.request_id,
             checkpoint=pinned,
         )
-        self._begins.append(_PendingBegin(task, future, self._clock() + self._begin_timeout))
+        self._begin(task, future)
         self._counters["stores_begun"] += 1
         return True
 
@@ -655,49 +638,10 @@ class CheckpointSchedulerBridge:
         out.append(aux)
         return tuple(out)
 
-    def _pump_begins(self) -> None:
-        """Turns answered BEGINs into tasks; aborts failed or unanswered ones."""
-        now = self._clock()
-        still: list[_PendingBegin] = []
-        for pb in self._begins:
-            task = pb.task
-            if not pb.future.done():
-                if now < pb.deadline:
-                    still.append(pb)
-                    continue
-                logger.warning(
-                    "no BEGIN reply for checkpoint %s within %.1f s; aborting the store",
-                    task.manifest.generation,
-                    self._begin_timeout,
-                )
-                self._abort(task.manifest.generation)
-                self._drop_store(task, "store_begin_timeout")
-                continue
-            try:
-                accepted = bool(pb.future.result(0))
-            except Exception as e:
-                logger.warning("BEGIN of %s failed: %s", task.manifest.generation, e)
-                self._abort(task.manifest.generation)
-                self._drop_store(task, "store_begin_failed")
-                continue
-            if not accepted:  # identical generation pending/listed, or no room: nothing to do
-                self._drop_store(task, "store_suppressed")
-                continue
-            self._tasks[task.task_id] = task
-        self._begins = still
-
     def _drop_store(self, task: _Task, counter: str) -> None:
         self._cache.release(task.checkpoint)
         self._counters[counter] += 1
         self._task_resolved(task)
-
-    def _abort(self, generation: str) -> None:
-        try:
-            future = self._client.abort_async(generation)
-            if future is not None:
-                self._background.append(future)
-        except Exception as e:  # the server cleans up abandoned pending generations itself
-            logger.warning("ABORT of %s could not be sent: %s", generation, e)
 
     # ------------------------------------------------------------------ per step
 
@@ -705,7 +649,6 @@ class CheckpointSchedulerBridge:
         """``build_connector_meta``: the tasks admitted since the last call, each once."""
         self._negotiation_settled()
         self._pump_begins()
-        self._background = [f for f in self._background if not f.done()]
         now = self._clock()
         out: list[CheckpointEngineTask] = []
         in_flight = sum(1 for t in self._tasks.values() if t.sent)
@@ -734,17 +677,7 @@ class CheckpointSchedulerBridge:
             raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
         for rank, layout in sorted(meta.layouts.items()):
             self._take_layout(rank, layout)
-        for task_id, ranks in meta.results.items():
-            task = self._tasks.get(task_id)
-            if task is None:
-                raise ValueError(f"worker result for unknown checkpoint task {task_id}")
-            for rank, ok in ranks.items():
-                self._check_rank(rank)
-                if rank in task.results:
-                    raise ValueError(f"rank {rank} reported checkpoint task {task_id} twice")
-                task.results[rank] = ok
-            if len(task.results) == self._world_size:
-                self._complete(task)
+        self._take_results(meta.results)
 
     def _check_rank(self, rank: int) -> None:
         check_rank(rank, self._world_size)
@@ -758,7 +691,6 @@ class CheckpointSchedulerBridge:
 
     def _complete(self, task: _Task) -> None:
         """Every rank reported ``task``: publish, discard or release, exactly once."""
-        del self._tasks[task.task_id]
         ok = all(task.results.values())
         if task.direction == "STORE":
             if ok:
@@ -875,11 +807,7 @@ class CheckpointSchedulerBridge:
         }
 
     def _repr_html_(self) -> str:
-        rows = []
-        for key, value in self.report_status().items():
-            text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
-            rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
-        return "<table><caption>CheckpointSchedulerBridge</caption>" + "".join(rows) + "</table>"
+        return self._html("CheckpointSchedulerBridge")
 
     def close(self) -> None:
         """Stop lookups and stores. Pending BEGINs are aborted and their pins

@@ -1,6 +1,8 @@
 """Scheduler-side pieces both modes share.
 
 What it owns: the restore state machine's phases (:class:`RestorePhase`),
+copy tasks and their bookkeeping up to the last rank's result
+(:class:`CopyTask`, :class:`TaskBook`),
 layout negotiation with the worker ranks (:class:`LayoutNegotiation`: every
 rank reports one address-free layout; all must agree before any lookup or
 store, because the layout is part of the namespace, I3), the namespace cache
@@ -13,16 +15,24 @@ What it must never do: talk to the sidecar or to vLLM's allocator.
 from __future__ import annotations
 
 import enum
+import html
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import lmcache_rc as rc
+from lmcache_rc.vllm.api import Direction
+from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
 
 __all__ = [
+    "CopyTask",
     "LayoutNegotiation",
+    "PendingBegin",
     "RestorePhase",
+    "TaskBook",
     "canonical",
     "check_rank",
     "handles",
@@ -153,3 +163,138 @@ class LayoutNegotiation:
             ns = rc.checkpoint_namespace({**self._identity, "layout": self.layout}, salt)
             self._namespaces[salt] = ns
         return ns
+
+
+@dataclass(eq=False, kw_only=True)
+class CopyTask:
+    """One copy task, from creation to the last rank's result (both modes)."""
+
+    task_id: str
+    direction: Direction
+    manifest: rc.Manifest
+    block_ids: tuple[tuple[int, ...], ...]
+    request_id: str
+    sent: bool = False
+    sent_at: float | None = None
+    results: dict[int, bool] = field(default_factory=dict)
+
+
+TaskT = TypeVar("TaskT", bound=CopyTask)
+
+
+@dataclass(eq=False)
+class PendingBegin(Generic[TaskT]):
+    """A store whose BEGIN reply has not been seen yet."""
+
+    task: TaskT
+    future: SidecarFuture
+    deadline: float
+
+
+class TaskBook(Generic[TaskT]):
+    """What both modes' scheduler sides do with copy tasks: BEGINs answered or
+    timed out, ABORTs in the background, per-rank results counted exactly once
+    until every rank reported. Subclasses say what a dropped store releases
+    (:meth:`_drop_store`) and what a completed task means (:meth:`_complete`).
+    """
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        world_size: int,
+        *,
+        begin_timeout: float,
+        clock: Callable[[], float],
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self._client = NonBlockingSidecar(client)
+        self._world_size = world_size
+        self._begin_timeout = begin_timeout
+        self._clock = clock
+        self._tasks: dict[str, TaskT] = {}
+        self._begins: list[PendingBegin[TaskT]] = []
+        self._background: list[SidecarFuture] = []
+        self._counters: Counter[str] = Counter()
+        self._closed = False
+
+    def _drop_store(self, task: TaskT, counter: str) -> None:
+        """A store that will not run: release what it holds, count ``counter``."""
+        raise NotImplementedError
+
+    def _complete(self, task: TaskT) -> None:
+        """Every rank reported ``task``."""
+        raise NotImplementedError
+
+    def _begin(self, task: TaskT, future: SidecarFuture) -> None:
+        self._begins.append(PendingBegin(task, future, self._clock() + self._begin_timeout))
+
+    def _pump_begins(self) -> None:
+        """Turns answered BEGINs into tasks; aborts failed or unanswered ones."""
+        now = self._clock()
+        still: list[PendingBegin[TaskT]] = []
+        for pb in self._begins:
+            task = pb.task
+            if not pb.future.done():
+                if now < pb.deadline:
+                    still.append(pb)
+                    continue
+                logger.warning(
+                    "no BEGIN reply for checkpoint %s within %.1f s; aborting the store",
+                    task.manifest.generation,
+                    self._begin_timeout,
+                )
+                self._abort(task.manifest.generation)
+                self._drop_store(task, "store_begin_timeout")
+                continue
+            try:
+                accepted = bool(pb.future.result(0))
+            except Exception as e:
+                logger.warning("BEGIN of %s failed: %s", task.manifest.generation, e)
+                self._abort(task.manifest.generation)
+                self._drop_store(task, "store_begin_failed")
+                continue
+            if not accepted:  # identical generation pending/listed, or no room: nothing to do
+                self._drop_store(task, "store_suppressed")
+                continue
+            self._tasks[task.task_id] = task
+        self._begins = still
+        self._background = [f for f in self._background if not f.done()]
+
+    def _abort(self, generation: str) -> None:
+        try:
+            future = self._client.abort_async(generation)
+            if future is not None:
+                self._background.append(future)
+        except Exception as e:  # the server cleans up abandoned pending generations itself
+            logger.warning("ABORT of %s could not be sent: %s", generation, e)
+
+    def _take_results(self, results: Mapping[str, Mapping[int, bool]]) -> None:
+        """Per-rank results of one step; a task completes when every rank reported.
+
+        Raises ValueError for an unknown task, a rank outside the world or a
+        rank reporting one task twice (bugs or misconfiguration, not misses).
+        """
+        for task_id, ranks in results.items():
+            task = self._tasks.get(task_id)
+            if task is None:
+                raise ValueError(f"worker result for unknown checkpoint task {task_id}")
+            for rank, ok in ranks.items():
+                check_rank(rank, self._world_size)
+                if rank in task.results:
+                    raise ValueError(f"rank {rank} reported checkpoint task {task_id} twice")
+                task.results[rank] = ok
+            if len(task.results) == self._world_size:
+                del self._tasks[task.task_id]
+                self._complete(task)
+
+    def report_status(self) -> dict[str, Any]:
+        """A snapshot for humans and tests."""
+        raise NotImplementedError
+
+    def _html(self, caption: str) -> str:
+        rows = []
+        for key, value in self.report_status().items():
+            text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+            rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
+        return f"<table><caption>{html.escape(caption)}</caption>" + "".join(rows) + "</table>"

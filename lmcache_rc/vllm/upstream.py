@@ -34,32 +34,29 @@ LoRA, multimodal or embedding request (I3).
 
 from __future__ import annotations
 
-import html
-import json
 import logging
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lmcache_rc as rc
 from lmcache_rc.vllm.api import (
     BlockPool,
     CheckpointEngineTask,
-    Direction,
     KVCacheBlocks,
     KVCacheConfig,
     Request,
     SchedulerOutput,
     spec_kind,
 )
-from lmcache_rc.vllm.common import LayoutNegotiation, RestorePhase, handles
+from lmcache_rc.vllm.common import CopyTask, LayoutNegotiation, RestorePhase, TaskBook, handles
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
-from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
+from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
 
 __all__ = ["GroupInfo", "UpstreamScheduler", "cdiv"]
 
@@ -113,20 +110,14 @@ class _Restore:
     reason: str = ""
 
 
-@dataclass(eq=False)
-class _Task:
-    """One copy task from creation to the last rank's result."""
+@dataclass(eq=False, kw_only=True)
+class _Task(CopyTask):
+    """A copy task of upstream mode: what it pins in vLLM's pool, and why."""
 
-    task_id: str
-    direction: Direction
-    manifest: rc.Manifest
-    block_ids: tuple[tuple[int, ...], ...]
-    request_id: str
     kind: str
+    """``prompt``, ``response`` (stores) or ``restore``."""
     pins: tuple[int, ...] = ()
     error: str = ""
-    sent: bool = False
-    results: dict[int, bool] = field(default_factory=dict)
 
     def engine_task(self) -> CheckpointEngineTask:
         return CheckpointEngineTask(
@@ -139,14 +130,7 @@ class _Task:
         )
 
 
-@dataclass(eq=False)
-class _PendingBegin:
-    task: _Task
-    future: SidecarFuture
-    deadline: float
-
-
-class UpstreamScheduler:
+class UpstreamScheduler(TaskBook[_Task]):
     """The scheduler side of upstream mode (one per engine, owned by the connector).
 
     Every method runs on the scheduler thread and none blocks on the sidecar.
@@ -165,10 +149,8 @@ class UpstreamScheduler:
         world_size: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._client = NonBlockingSidecar(client)
+        super().__init__(client, world_size, begin_timeout=options.begin_timeout, clock=clock)
         self._options = options
-        self._world_size = world_size
-        self._clock = clock
         self._groups: tuple[GroupInfo, ...] = tuple(
             GroupInfo(
                 i, spec_kind(g.kv_cache_spec) or "unsupported", int(g.kv_cache_spec.block_size)
@@ -189,11 +171,6 @@ class UpstreamScheduler:
         self._pool: BlockPool | None = None
         self._requests: dict[str, Request] = {}
         self._restores: dict[str, _Restore] = {}
-        self._tasks: dict[str, _Task] = {}
-        self._begins: list[_PendingBegin] = []
-        self._background: list[SidecarFuture] = []
-        self._counters: Counter[str] = Counter()
-        self._closed = False
 
     # ------------------------------------------------------------------ properties
 
@@ -462,11 +439,9 @@ class UpstreamScheduler:
             future = self._client.begin_async(manifest)
         except Exception as e:
             logger.warning("checkpoint store for %s not started: %s", request.request_id, e)
-            self._release(task)
-            self._counters["store_begin_failed"] += 1
+            self._drop_store(task, "store_begin_failed")
             return False
-        deadline = self._clock() + self._options.begin_timeout
-        self._begins.append(_PendingBegin(task, future, deadline))
+        self._begin(task, future)
         self._counters[f"stores_begun_{kind}"] += 1
         return True
 
@@ -560,49 +535,14 @@ class UpstreamScheduler:
                 self._store(request, n, block_ids, recurrent, "response")
         return False, None
 
-    def _pump_begins(self) -> None:
-        """Turns answered BEGINs into tasks; releases suppressed, failed or unanswered ones."""
-        now = self._clock()
-        still: list[_PendingBegin] = []
-        for pb in self._begins:
-            task = pb.task
-            if not pb.future.done():
-                if now < pb.deadline:
-                    still.append(pb)
-                    continue
-                logger.warning(
-                    "no BEGIN reply for %s; aborting the store", task.manifest.generation
-                )
-                self._abort(task.manifest.generation)
-                self._release(task, "store_begin_timeout")
-                continue
-            try:
-                accepted = bool(pb.future.result(0))
-            except Exception as e:
-                logger.warning("BEGIN of %s failed: %s", task.manifest.generation, e)
-                self._abort(task.manifest.generation)
-                self._release(task, "store_begin_failed")
-                continue
-            if not accepted:  # already listed or pending: nothing to write
-                self._release(task, "store_suppressed")
-                continue
-            self._tasks[task.task_id] = task
-        self._begins = still
+    def _drop_store(self, task: _Task, counter: str) -> None:
+        self._unpin(task)
+        self._counters[counter] += 1
 
-    def _release(self, task: _Task, counter: str | None = None) -> None:
+    def _unpin(self, task: _Task) -> None:
         if task.pins and self._pool is not None:
             self._pool.free_blocks([self._pool.blocks[b] for b in reversed(task.pins)])
         task.pins = ()
-        if counter:
-            self._counters[counter] += 1
-
-    def _abort(self, generation: str) -> None:
-        try:
-            future = self._client.abort_async(generation)
-            if future is not None:
-                self._background.append(future)
-        except Exception as e:  # the sidecar drops abandoned pending generations itself
-            logger.warning("ABORT of %s could not be sent: %s", generation, e)
 
     # ------------------------------------------------------------------ per step
 
@@ -615,7 +555,6 @@ class UpstreamScheduler:
                 del self._restores[rid]  # a resumed request looks up afresh
         self._offers(scheduler_output)
         self._pump_begins()
-        self._background = [f for f in self._background if not f.done()]
         in_flight = sum(1 for t in self._tasks.values() if t.sent)
         room = max(0, self._options.max_pending - in_flight)
         out: list[CheckpointEngineTask] = []
@@ -647,21 +586,9 @@ class UpstreamScheduler:
             raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
         for rank, layout in sorted(meta.layouts.items()):
             self._negotiation.take(rank, layout)
-        for task_id, ranks in meta.results.items():
-            task = self._tasks.get(task_id)
-            if task is None:
-                raise ValueError(f"worker result for unknown checkpoint task {task_id}")
-            for rank, ok in ranks.items():
-                if not 0 <= rank < self._world_size:
-                    raise ValueError(f"worker rank {rank} is outside 0..{self._world_size - 1}")
-                if rank in task.results:
-                    raise ValueError(f"rank {rank} reported checkpoint task {task_id} twice")
-                task.results[rank] = ok
-            if len(task.results) == self._world_size:
-                self._complete(task)
+        self._take_results(meta.results)
 
     def _complete(self, task: _Task) -> None:
-        del self._tasks[task.task_id]
         ok = all(task.results.values())
         if task.direction == "STORE":
             if ok:
@@ -669,7 +596,7 @@ class UpstreamScheduler:
             else:
                 self._counters["stores_failed"] += 1
                 self._abort(task.manifest.generation)
-            self._release(task)
+            self._unpin(task)
             return
         restore = self._restores.get(task.request_id)
         current = restore is not None and restore.task_id == task.task_id
@@ -721,11 +648,7 @@ class UpstreamScheduler:
         }
 
     def _repr_html_(self) -> str:
-        rows = []
-        for key, value in self.report_status().items():
-            text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
-            rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
-        return "<table><caption>lmcache-rc (upstream mode)</caption>" + "".join(rows) + "</table>"
+        return self._html("lmcache-rc (upstream mode)")
 
     def close(self) -> None:
         """Stop lookups and stores; pending BEGINs are aborted and their pins
@@ -735,11 +658,11 @@ class UpstreamScheduler:
         self._closed = True
         for pb in self._begins:
             self._abort(pb.task.manifest.generation)
-            self._release(pb.task)
+            self._unpin(pb.task)
         self._begins = []
         for task in list(self._tasks.values()):
             if not task.sent:
                 del self._tasks[task.task_id]
                 if task.direction == "STORE":
                     self._abort(task.manifest.generation)
-                    self._release(task)
+                    self._unpin(task)
