@@ -48,8 +48,10 @@ from lmcache_rc.vllm.common import (
     LayoutNegotiation,
     RestorePhase,
     TaskBook,
+    check_found_prefix,
     check_rank,
     handles,
+    poll_find,
 )
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
@@ -341,24 +343,14 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
     def _advance_find(self, request: Any, lookup: _Lookup) -> bool:
         future = lookup.future
         assert future is not None
-        if not future.done():
-            if self._clock() - lookup.started >= self._lookup_timeout:
-                logger.warning(
-                    "no checkpoint lookup reply for %s within %.1f s; recomputing",
-                    lookup.request_id,
-                    self._lookup_timeout,
-                )
-                lookup.future = None
-                return self._finish_lookup(lookup, "find-timeout")
+        outcome, found = poll_find(
+            future, lookup.started, self._lookup_timeout, self._clock(), lookup.request_id
+        )
+        if outcome == "pending":
             return False
         lookup.future = None
-        try:
-            found = future.result(0)
-        except Exception as e:
-            logger.warning("checkpoint lookup for %s failed: %s", lookup.request_id, e)
-            return self._finish_lookup(lookup, "find-error")
         if found is None:
-            return self._finish_lookup(lookup, "miss")
+            return self._finish_lookup(lookup, outcome)
         meta = self._validate_found(request, found)
         if meta is None:
             return self._finish_lookup(lookup, "incompatible")
@@ -380,13 +372,9 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         """Checks a FIND answer against this engine (identity-and-index §1.12)."""
         rid = request.request_id
         try:
-            n = manifest.prefix.num_tokens
-            if manifest.world_size != self._world_size:
-                raise ValueError(f"world size {manifest.world_size} != {self._world_size}")
-            if not 0 < n <= request.num_tokens:
-                raise ValueError(f"{n} tokens do not fit a {request.num_tokens}-token request")
-            if manifest.prefix != self._roots(request).prefix(n):
-                raise ValueError("prefix is not this request's exact token prefix")
+            n = check_found_prefix(
+                manifest, self._world_size, request.num_tokens, self._roots(request).prefix
+            )
             payload = json.loads(manifest.payload)
             if payload.get("schema_version") != 2:
                 raise ValueError("payload schema is not 2")

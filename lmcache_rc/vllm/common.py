@@ -34,8 +34,10 @@ __all__ = [
     "RestorePhase",
     "TaskBook",
     "canonical",
+    "check_found_prefix",
     "check_rank",
     "handles",
+    "poll_find",
 ]
 
 logger = logging.getLogger(__name__)
@@ -298,3 +300,39 @@ class TaskBook(Generic[TaskT]):
             text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
             rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
         return f"<table><caption>{html.escape(caption)}</caption>" + "".join(rows) + "</table>"
+
+
+def poll_find(
+    future: SidecarFuture, started: float, timeout: float, now: float, request_id: str
+) -> tuple[str, rc.Manifest | None]:
+    """Where a FIND stands: ``("pending", None)``, ``("found", manifest)``, or a
+    reason it gave nothing (``"miss"``, ``"find-timeout"``, ``"find-error"``)."""
+    if not future.done():
+        if now - started < timeout:
+            return "pending", None
+        logger.warning(
+            "no checkpoint lookup reply for %s within %.1f s; recomputing", request_id, timeout
+        )
+        return "find-timeout", None
+    try:
+        found = future.result(0)
+    except Exception as e:
+        logger.warning("checkpoint lookup for %s failed: %s", request_id, e)
+        return "find-error", None
+    return ("miss", None) if found is None else ("found", found)
+
+
+def check_found_prefix(
+    manifest: rc.Manifest, world_size: int, limit: int, exact: Callable[[int], rc.Prefix]
+) -> int:
+    """The token count of a FIND answer, after checking it was stored by this
+    many ranks, fits ``limit`` tokens and is ``exact(n)`` (the request's own
+    prefix); ValueError otherwise."""
+    n = int(manifest.prefix.num_tokens)
+    if manifest.world_size != world_size:
+        raise ValueError(f"world size {manifest.world_size} != {world_size}")
+    if not 0 < n <= limit:
+        raise ValueError(f"{n} tokens do not fit a limit of {limit}")
+    if manifest.prefix != exact(n):
+        raise ValueError("prefix is not this request's exact token prefix")
+    return n

@@ -52,7 +52,15 @@ from lmcache_rc.vllm.api import (
     SchedulerOutput,
     spec_kind,
 )
-from lmcache_rc.vllm.common import CopyTask, LayoutNegotiation, RestorePhase, TaskBook, handles
+from lmcache_rc.vllm.common import (
+    CopyTask,
+    LayoutNegotiation,
+    RestorePhase,
+    TaskBook,
+    check_found_prefix,
+    handles,
+    poll_find,
+)
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
@@ -289,23 +297,14 @@ class UpstreamScheduler(TaskBook[_Task]):
     ) -> tuple[int | None, bool]:
         future = restore.future
         assert future is not None
-        if not future.done():
-            if self._clock() - restore.started >= self._options.lookup_timeout:
-                logger.warning(
-                    "no checkpoint lookup reply for %s within %.1f s; recomputing",
-                    restore.request_id,
-                    self._options.lookup_timeout,
-                )
-                return self._finish(restore, "find-timeout")
+        outcome, found = poll_find(
+            future, restore.started, self._options.lookup_timeout, self._clock(), restore.request_id
+        )
+        if outcome == "pending":
             return None, False
         restore.future = None
-        try:
-            found = future.result(0)
-        except Exception as e:
-            logger.warning("checkpoint lookup for %s failed: %s", restore.request_id, e)
-            return self._finish(restore, "find-error")
         if found is None:
-            return self._finish(restore, "miss")
+            return self._finish(restore, outcome)
         if not self._usable(request, found, restore.limit):
             return self._finish(restore, "incompatible")
         restore.manifest = found
@@ -321,13 +320,9 @@ class UpstreamScheduler(TaskBook[_Task]):
     def _usable(self, request: Request, manifest: rc.Manifest, limit: int) -> bool:
         """Checks a FIND answer against this engine before offering it to vLLM."""
         try:
-            n = manifest.prefix.num_tokens
-            if manifest.world_size != self._world_size:
-                raise ValueError(f"world size {manifest.world_size} != {self._world_size}")
-            if not 0 < n <= limit:
-                raise ValueError(f"{n} tokens do not fit below {limit}")
-            if manifest.prefix != self._roots(request, n).prefix(n):
-                raise ValueError("prefix is not this request's exact token prefix")
+            n = check_found_prefix(
+                manifest, self._world_size, limit, lambda k: self._roots(request, k).prefix(k)
+            )
             payload = rc.CheckpointPayload.parse(manifest.payload)
             if payload.worker_layout != self._negotiation.layout:
                 raise ValueError("worker layout differs")
