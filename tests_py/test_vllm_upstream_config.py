@@ -81,9 +81,19 @@ def test_target_revision_auto_reads_the_snapshot_commit(tmp_path: Path) -> None:
     assert resolve_target_revision("c" * 40, config) == "c" * 40
 
 
-def test_target_revision_auto_accepts_a_commit_revision(tmp_path: Path) -> None:
+def test_target_revision_auto_accepts_a_commit_revision_of_a_hub_id() -> None:
     config = SimpleNamespace(model_config=SimpleNamespace(model="org/name", revision="d" * 40))
     assert resolve_target_revision("auto", config) == "d" * 40
+
+
+def test_a_local_directory_is_not_proven_by_a_revision_it_ignores(tmp_path: Path) -> None:
+    # vLLM loads a local directory whatever --revision says
+    assert snapshot_revision(str(tmp_path), "c" * 40) is None
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    model = tmp_path / "snapshots" / commit
+    model.mkdir(parents=True)
+    assert snapshot_revision(str(model), commit) == commit
+    assert snapshot_revision(str(model), "c" * 40) is None  # a contradiction proves nothing
 
 
 def test_target_revision_auto_refuses_a_plain_directory(tmp_path: Path) -> None:
@@ -152,6 +162,15 @@ def _groups(*specs: Any) -> Any:
     return SimpleNamespace(
         kv_cache_groups=[SimpleNamespace(kv_cache_spec=s, layer_names=[]) for s in specs]
     )
+
+
+def test_pipeline_parallelism_is_named() -> None:
+    config = _config(parallel_config__pipeline_parallel_size=2)
+    problems = upstream_problems(config, _groups(FullAttentionSpec(), MambaSpec()))
+    assert problems == [
+        "pipeline_parallel_size is 2: upstream mode supports tensor parallelism only "
+        "(each pipeline stage holds other layers)"
+    ]
 
 
 def test_prerequisites_met_give_no_problem() -> None:

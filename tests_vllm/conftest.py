@@ -119,6 +119,8 @@ def assert_idle(engine: Engine) -> None:
         assert status["tasks"] == {"STORE": 0, "RETRIEVE": 0, "unsent": 0}, status
         assert status["pending_begins"] == 0, status
         assert status["pinned_blocks"] == 0, status
+        assert status["lookups"] == {}, status  # every finished request forgotten
+        assert status["requests"] == 0, status
     assert engine.free_blocks() == engine.total_blocks(), (
         f"{engine.total_blocks() - engine.free_blocks()} blocks still held"
     )

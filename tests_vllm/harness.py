@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,11 +65,11 @@ from vllm.v1.core.kv_cache_utils import (
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
+    group_kernel_blocks,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -217,6 +218,12 @@ class EngineSpec:
     max_model_len: int = 512
     max_num_batched_tokens: int = 256
     layout: str = "LBNHC"
+    kernel_block_size: int | None = None
+    """Attention kernel blocks smaller than vLLM's block (``kernel_block_sizes``):
+    each block's KV view rows are several evenly strided kernel blocks."""
+    async_scheduling: bool = False
+    """vLLM's default engine loop: step k+1 is scheduled before step k's output
+    is processed (``AsyncScheduler`` with a batch queue of two)."""
     retention_interval: int | None = 0
     """vLLM's ``--prefix-cache-retention-interval``: which Mamba boundary states
     it keeps (0: only semantic ones, N: also every N tokens, None: every block)."""
@@ -270,6 +277,7 @@ def make_vllm_config(spec: EngineSpec, rank: int = 0) -> VllmConfig:
         max_model_len=spec.max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        async_scheduling=spec.async_scheduling,
     )
     kv = None
     if spec.connector:
@@ -375,8 +383,23 @@ class ToyWorker:
         self.config.cache_config.kv_cache_layout = plan.layout.name
         self.kv_config = copy.deepcopy(plan.worker)
         self.block_size = plan.block_size
-        self.kv_caches = allocate_kv_cache(self.kv_config, torch.device("cpu"), plan.layout)
         groups = self.kv_config.kv_cache_groups
+        kernel = None
+        if spec.kernel_block_size is not None:
+            kernel = [
+                int(g.kv_cache_spec.block_size)
+                if isinstance(g.kv_cache_spec, MambaSpec)
+                else spec.kernel_block_size
+                for g in groups
+            ]
+        self.kv_caches = allocate_kv_cache(
+            self.kv_config, torch.device("cpu"), plan.layout, kernel_block_sizes=kernel
+        )
+        # The toy model addresses vLLM blocks (kernel blocks grouped back).
+        self._views = {
+            name: group_kernel_blocks(view, self.kv_config.num_blocks)
+            for name, view in self.kv_caches.items()
+        }
         self.mamba_groups = [
             g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, MambaSpec)
         ]
@@ -394,20 +417,27 @@ class ToyWorker:
     # ------------------------------------------------------------------ bytes
 
     def _state_view(self, layer: str, block: int) -> torch.Tensor:
-        return self.kv_caches[layer][block].reshape(-1).view(torch.uint8)
+        return self._views[layer][block].reshape(-1).view(torch.uint8)
+
+    def _row(self, layer: str, block: int, slot: int) -> torch.Tensor:
+        view = self._views[layer]
+        if view.dim() == 5:  # [B, kernel blocks per block, H, N, C]
+            tokens = int(view.shape[3])
+            return view[block, slot // tokens, :, slot % tokens, :]
+        return view[block, :, slot, :]
 
     def _write_row(self, layer: str, block: int, slot: int, data: bytes) -> None:
-        view = self.kv_caches[layer][block, :, slot, :]
+        view = self._row(layer, block, slot)
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(view.dtype)
         view.copy_(src.reshape(view.shape))
 
     def _read_row(self, layer: str, block: int, slot: int) -> bytes:
-        view = self.kv_caches[layer][block, :, slot, :]
+        view = self._row(layer, block, slot)
         return view.contiguous().view(torch.uint8).numpy().tobytes()
 
     def _row_bytes(self, layer: str) -> int:
-        v = self.kv_caches[layer]
-        return int(v.shape[1] * v.shape[3] * v.element_size())
+        row = self._row(layer, 0, 0)
+        return int(row.numel() * row.element_size())
 
     def _state_bytes(self, layer: str) -> int:
         spec = self.kv_config.kv_cache_groups[self.mamba_groups[0]].kv_cache_spec
@@ -604,7 +634,8 @@ class Engine:
             if ranks is not None
             else [ToyWorker(spec, self.plan, r) for r in range(spec.world_size)]
         )
-        self.scheduler = Scheduler(
+        scheduler_cls = self.config.scheduler_config.get_scheduler_cls()
+        self.scheduler = scheduler_cls(
             vllm_config=self.config,
             kv_cache_config=self.plan.scheduler,
             structured_output_manager=StructuredOutputManager(self.config),
@@ -622,6 +653,7 @@ class Engine:
         self._prompts: dict[str, list[int]] = {}
         self.steps = 0
         self.before_step: list[Callable[[Engine], None]] = []
+        self._queue: deque[tuple[Any, Any]] = deque()
 
     # ------------------------------------------------------------------ requests
 
@@ -632,9 +664,17 @@ class Engine:
         max_tokens: int,
         *,
         cache_salt: str | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> Request:
-        """Submit a request (``ignore_eos``; exactly ``max_tokens`` are generated)."""
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        """Submit a request: ``max_tokens`` are generated, fewer when the model
+        samples one of ``stop_token_ids`` (a stop the scheduler cannot foresee,
+        like EOS in a chat)."""
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            temperature=0.0,
+            stop_token_ids=list(stop_token_ids),
+        )
         params.update_from_generation_config({}, EOS)
         req = Request(
             request_id=request_id,
@@ -655,16 +695,13 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self) -> Any:
-        """One engine step: schedule, run every rank, aggregate, update."""
-        for hook in list(self.before_step):
-            hook(self)
-        out = self.scheduler.schedule()
+    def _execute(self, out: Any) -> Any:
         results = [rank.step(out) for rank in self.ranks]
         if self.aggregator is not None:
-            merged = self.aggregator.aggregate(results, 0)
-        else:
-            merged = results[0]
+            return self.aggregator.aggregate(results, 0)
+        return results[0]
+
+    def _update(self, out: Any, merged: Any) -> None:
         engine_outputs = self.scheduler.update_from_output(out, merged)
         for outs in engine_outputs.values():
             for o in outs.outputs:
@@ -675,8 +712,32 @@ class Engine:
                         self._prompts[o.request_id],
                         list(self.outputs[o.request_id]),
                     )
+
+    def step(self) -> Any:
+        """One engine step: schedule, run every rank, aggregate, update. With
+        async scheduling it follows ``EngineCore.step_with_batch_queue``: a new
+        batch is scheduled (and run) while the previous one's output is not yet
+        processed; outputs are processed one step late."""
+        for hook in list(self.before_step):
+            hook(self)
         self.steps += 1
-        return out
+        if not self.spec.async_scheduling:
+            out = self.scheduler.schedule()
+            self._update(out, self._execute(out))
+            return out
+        out = None
+        if self.scheduler.has_requests():
+            out = self.scheduler.schedule()
+            self._queue.appendleft((out, self._execute(out)))
+            if len(self._queue) < 2 and (
+                out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()
+            ):
+                return out
+        elif not self._queue:
+            return None
+        old, merged = self._queue.pop()
+        self._update(old, merged)
+        return out if out is not None else old
 
     def prompt_from_cache(self, request_id: str) -> int:
         """Prompt tokens of ``request_id`` that rank 0 did not compute (served by
@@ -685,8 +746,9 @@ class Engine:
         return len(self._prompts[request_id]) - computed
 
     def busy(self) -> bool:
-        """Whether the engine core would keep stepping (``has_requests``)."""
-        return bool(self.scheduler.has_requests())
+        """Whether the engine core would keep stepping (``has_requests``, or a
+        batch whose output is not processed yet)."""
+        return bool(self.scheduler.has_requests()) or bool(self._queue)
 
     def run(self, timeout: float = 120.0) -> None:
         """Step until idle, as the engine core loop does (it keeps stepping while
@@ -696,7 +758,7 @@ class Engine:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine still busy after {timeout} s")
             out = self.step()
-            if not out.total_num_scheduled_tokens:
+            if out is None or not out.total_num_scheduled_tokens:
                 time.sleep(0.001)
 
     def generate(

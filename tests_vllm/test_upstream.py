@@ -11,7 +11,11 @@ test the engines and the sidecar must be idle (``conftest.make_engine``).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -218,8 +222,10 @@ def test_abort_during_async_load_frees_blocks_only_after_copies_drain(
 def test_preempted_restored_request_resumes_with_identical_output(
     make_engine: EngineFactory,
 ) -> None:
+    # (A request loading its pages is never preempted in vLLM 0.33: preemption
+    # takes running requests only, and a loading one waits outside `running`.)
     prompts = [tokens(20 + i, 60) for i in range(3)]
-    a = make_engine()
+    a = make_engine(max_model_len=128)  # the same config hash as b: its stores serve b
     for i, p in enumerate(prompts):
         a.generate(f"a{i}", p, 2)
     b = make_engine(num_blocks=16, max_model_len=128)
@@ -228,7 +234,58 @@ def test_preempted_restored_request_resumes_with_identical_output(
     for i, p in enumerate(prompts):
         assert b.finished[f"b{i}"].output == ToyModel.reference(p, 40)
     assert sum(r.num_preemptions for r in reqs) > 0, "the pool was large enough: no preemption"
-    assert restored(b) > 0
+    assert counters(b).get("lookup_miss", 0) == 0  # every first lookup found a's checkpoint
+    assert restored(b) >= 3 * 48
+
+
+def test_abort_with_two_ranks_waits_for_the_slow_rank(make_engine: EngineFactory) -> None:
+    prompt = tokens(16, 100)
+    make_engine(world_size=2).generate("a", prompt, 2)
+    b = make_engine(world_size=2)
+    b.ranks[1].inject_fault("delay", 1, 1.0)  # rank 0 finishes at once, rank 1 a second later
+    b.add("b", prompt, 2)
+    request = b.scheduler.requests["b"]
+    while request.status.name != "WAITING_FOR_REMOTE_KVS":
+        b.step()
+    held = b.total_blocks() - b.free_blocks()
+    b.abort(["b"])
+    for _ in range(20):  # rank 0 reported; vLLM still holds the blocks for rank 1
+        b.step()
+    assert b.total_blocks() - b.free_blocks() == held
+    b.run()
+    assert b.free_blocks() == b.total_blocks()
+
+
+def test_sidecar_killed_during_a_restore_recomputes(
+    make_engine: EngineFactory, tmp_path: Path
+) -> None:
+    socket = str(tmp_path / "serve.sock")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lmcache_rc", "serve", "--socket", socket, "--l1-bytes", "64M"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(socket):
+            assert time.monotonic() < deadline and server.poll() is None, "serve did not start"
+            time.sleep(0.05)
+        prompt = tokens(17, 80)
+        make_engine(socket=socket).generate("a", prompt, 3)
+        b = make_engine(socket=socket)
+        b.ranks[0].inject_fault("delay", 1, 1.0)
+        b.add("b", prompt, 3)
+        request = b.scheduler.requests["b"]
+        while request.status.name != "WAITING_FOR_REMOTE_KVS":
+            b.step()
+        server.kill()  # SIGKILL mid-copy: the lease dies with the sidecar
+        server.wait()
+        b.run(timeout=60)
+        assert b.finished["b"].output == ToyModel.reference(prompt, 3)
+        assert counters(b).get("restores_failed") == 1
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_sidecar_stopped_mid_run_recomputes_then_reconnects(
@@ -284,3 +341,96 @@ def test_the_sidecar_client_lists_upstream_generations(
 
 def test_the_installed_wheel_is_under_test() -> None:
     assert "site-packages" in (rc.__file__ or ""), rc.__file__
+
+
+def test_a_block_aligned_prompt_stores_the_boundary_below_its_last_token(
+    make_engine: EngineFactory,
+) -> None:
+    prompt = tokens(18, 64)  # vLLM keeps the state at 48: a replay recomputes token 64
+    a = make_engine()
+    a.generate("a", prompt, 2)
+    assert counters(a).get("stores_committed_prompt") == 1
+    b = make_engine()
+    assert b.generate("b", prompt, 2) == ToyModel.reference(prompt, 2)
+    assert restored(b) == 48
+
+
+def test_restores_beyond_the_copy_queue_wait_instead_of_failing(
+    make_engine: EngineFactory,
+) -> None:
+    prompts = [tokens(30 + i, 70) for i in range(4)]
+    a = make_engine(copy_workers=1, max_pending=1)
+    for i, p in enumerate(prompts):
+        a.generate(f"a{i}", p, 2)
+    b = make_engine(copy_workers=1, max_pending=1)
+    for i, p in enumerate(prompts):
+        b.add(f"b{i}", p, 2)  # four restores at once against a queue of one
+    b.run()
+    for i, p in enumerate(prompts):
+        assert b.finished[f"b{i}"].output == ToyModel.reference(p, 2)
+    assert counters(b).get("restores_failed", 0) == 0
+    assert restored(b) == 4 * 64
+    assert counters(b).get("tasks_deferred", 0) > 0
+
+
+def test_kernel_blocks_smaller_than_a_block_restore_byte_exact(make_engine: EngineFactory) -> None:
+    prompt = tokens(19, 90)
+    make_engine(kernel_block_size=8).generate("a", prompt, 3)
+    b = make_engine(kernel_block_size=8)
+    assert b.generate("b", prompt, 3) == ToyModel.reference(prompt, 3)
+    assert restored(b) == 80
+
+
+def test_async_scheduling_skips_response_states_and_still_restores_prompts(
+    make_engine: EngineFactory,
+) -> None:
+    # vLLM's default loop: when a request stops on a token the scheduler could
+    # not foresee (EOS, a stop token), a forward past its end may still be
+    # running, so its final state is not stored; each turn restores up to the
+    # previous prompt's boundary instead, with identical output.
+    replicas = [make_engine(async_scheduling=True), make_engine(async_scheduling=True)]
+    history = tokens(40, 40)
+    previous_prompt = 0
+    for turn in range(1, 4):
+        engine = replicas[turn % 2]
+        before = restored(engine)
+        reference = ToyModel.reference(history, 20)
+        out = engine.generate(f"t{turn}", history, 20, stop_token_ids=[reference[4]])
+        assert out == reference[:5]
+        cached = engine.prompt_from_cache(f"t{turn}")
+        last_boundary = (previous_prompt - 1) // BS * BS if previous_prompt else 0
+        assert cached >= last_boundary
+        assert (restored(engine) - before > 0) == (turn > 1)
+        previous_prompt = len(history)
+        history = history + out + tokens(200 + turn, 12)
+    skipped = sum(counters(e).get("store_skipped_in_flight", 0) for e in replicas)
+    assert skipped == 3
+
+
+def test_a_stop_token_ends_a_request_whose_response_state_is_stored(
+    make_engine: EngineFactory,
+) -> None:
+    prompt = tokens(41, 40)
+    reference = ToyModel.reference(prompt, 20)
+    a = make_engine()
+    out = a.generate("a", prompt, 20, stop_token_ids=[reference[4]])
+    assert out == reference[:5]
+    assert counters(a).get("stores_committed_response") == 1
+    b = make_engine()
+    follow = prompt + out + tokens(42, 9)
+    assert b.generate("b", follow, 3) == ToyModel.reference(follow, 3)
+    assert restored(b) == len(prompt) + len(out) - 1
+
+
+def test_reset_cache_makes_earlier_checkpoints_unreachable(make_engine: EngineFactory) -> None:
+    prompt, other = tokens(50, 70), tokens(51, 70)
+    a = make_engine()
+    a.generate("a1", prompt, 2)
+    a.generate("a2", other, 2)
+    b = make_engine()
+    assert b.generate("b1", other, 2) == ToyModel.reference(other, 2)
+    assert restored(b) == 64  # before the reset: restored
+    assert b.scheduler.reset_prefix_cache(reset_connector=True)
+    assert b.generate("b2", prompt, 2) == ToyModel.reference(prompt, 2)
+    assert restored(b) == 64  # after: the earlier checkpoint is not offered
+    assert counters(b).get("resets") == 1

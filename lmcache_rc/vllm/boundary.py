@@ -673,6 +673,13 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
     def _take_layout(self, rank: int, layout: Mapping[str, Any]) -> None:
         self._negotiation.take(rank, layout)
 
+    def reset(self) -> None:
+        """``reset_cache``: this engine stops restoring anything stored before
+        (a new epoch enters its identity; a lookup in progress then fails its
+        exact-prefix check and recomputes)."""
+        self._negotiation.new_epoch()
+        self._counters["resets"] += 1
+
     def _negotiation_settled(self) -> bool:
         """False while layouts may still arrive; True once negotiated or given up."""
         return self._negotiation.settled()

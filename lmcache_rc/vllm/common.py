@@ -155,6 +155,16 @@ class LayoutNegotiation:
             return True
         return False
 
+    def new_epoch(self) -> int:
+        """Puts a new ``reset_epoch`` into the identity: every checkpoint stored
+        under the previous one becomes unreachable for this engine (vLLM's
+        ``reset_prefix_cache(reset_connector=True)``, e.g. after weights
+        changed in place). Returns the new epoch."""
+        epoch = int(self._identity.get("reset_epoch", 0)) + 1
+        self._identity["reset_epoch"] = epoch
+        self._namespaces.clear()
+        return epoch
+
     def namespace(self, cache_salt: str | None) -> str:
         """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
         if self.layout is None:

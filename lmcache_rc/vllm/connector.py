@@ -128,6 +128,12 @@ def upstream_problems(vllm_config: Any, kv_cache_config: Any | None) -> list[str
                 problems.append(f"{name} is {getattr(pc, name)}: recurrent models need 1")
         if getattr(cache, "use_replayssm", False):
             problems.append("ReplaySSM is on: vLLM refuses it with a KV connector")
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        problems.append(
+            f"pipeline_parallel_size is {pp}: upstream mode supports tensor parallelism only "
+            "(each pipeline stage holds other layers)"
+        )
     return problems
 
 
@@ -173,6 +179,14 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
                 raise InvalidConnectorConfig(
                     "lmcache-rc cannot run on this vLLM configuration (upstream mode):\n  - "
                     + "\n  - ".join(problems)
+                )
+            sched = getattr(vllm_config, "scheduler_config", None)
+            if self._options.store_response and getattr(sched, "async_scheduling", False):
+                logger.warning(
+                    "lmcache-rc: vLLM's async scheduling is on, so the state at the end of a "
+                    "request is not stored (a forward past its end may still be running); "
+                    "each turn restores up to its previous prompt instead. Start vLLM with "
+                    "--no-async-scheduling to store response states."
                 )
 
     def _disable(self, why: str) -> None:
@@ -355,11 +369,10 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             self._worker_side.submit_stores()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``(None, finished_recving)``: restores that ended on this rank."""
-        if self._worker_side is None or self._mode != "upstream":
-            return None, None
-        results = self._worker_side.transfer_results()
-        return None, results.finished_recving or None
+        """``(None, None)``: results travel by :meth:`get_transfer_results` only,
+        which also carries failures (a caller of this older hook alone would
+        count a failed rank as a hit)."""
+        return None, None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Restores that ended on this rank: ``finished_recving``, and failures
@@ -585,8 +598,16 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         return None
 
     def reset_cache(self) -> bool | None:
-        """None: the sidecar is shared; clear it with ``lmcache-rc clear``."""
-        return None
+        """``reset_prefix_cache(reset_connector=True)``: checkpoints stored before
+        are never restored by this engine again (a new epoch enters its
+        identity). The sidecar is shared, so nothing is deleted there; clear it
+        with ``lmcache-rc clear``. Changed weights still need a new
+        ``target_revision``: the epoch does not survive a restart."""
+        side = self._upstream or self._bridge
+        if side is None:
+            return None
+        side.reset()
+        return True
 
     # ------------------------------------------------------------------ both
 

@@ -7,9 +7,10 @@ to get right are derived when the option says ``"auto"``:
 * ``target_revision``: the commit of the Hugging Face cache snapshot the
   weights were loaded from (a model path ``…/snapshots/<40 hex>/``, or a hub
   id whose snapshot is in the local cache, or a 40-hex ``--revision``);
-* ``source_revision``: a SHA-256 over the file hashes of the installed vLLM
-  distribution (its wheel ``RECORD``), so two installs of the same vLLM
-  agree and any patched file changes it.
+* ``source_revision``: a SHA-256 over the file hashes the installed vLLM
+  wheel recorded at install time (its ``RECORD``), so two installs of the
+  same vLLM agree; a file patched in place afterwards is not seen (pass an
+  explicit revision for a patched install).
 
 Anything else must be explicit; the errors say how to find the value.
 
@@ -89,19 +90,25 @@ def checkpoint_identity(vllm_config: Any, options: ConnectorOptions) -> dict[str
 def snapshot_revision(model: str, revision: str | None = None) -> str | None:
     """The 40-hex commit behind ``model``, or None when it cannot be proven.
 
-    A path inside a Hugging Face cache snapshot names its commit; a hub id is
-    looked up in the local cache only (``local_files_only``), at ``revision``
-    when given; a ``revision`` that already is a commit is taken as is.
+    A local path is what vLLM loads, whatever ``revision`` says: it proves a
+    commit only when it lies inside a Hugging Face cache snapshot
+    (``…/snapshots/<40 hex>/``), and a ``revision`` that names another commit
+    is a contradiction (None). A hub id is proven by a 40-hex ``revision``, or
+    by the snapshot the local cache resolves it to (``local_files_only``).
     """
-    if revision and _COMMIT.fullmatch(revision):
-        return revision
     text = str(model)
     path = Path(text)
     if path.exists():
-        match = _SNAPSHOT.search(str(path.resolve()).replace(os.sep, "/") + "/")
-        if match is None:
-            match = _SNAPSHOT.search(text.replace(os.sep, "/") + "/")
-        return match.group(1) if match else None
+        for candidate in (str(path.resolve()), text):
+            match = _SNAPSHOT.search(candidate.replace(os.sep, "/") + "/")
+            if match is not None:
+                commit = match.group(1)
+                if revision and _COMMIT.fullmatch(revision) and revision != commit:
+                    return None
+                return commit
+        return None
+    if revision and _COMMIT.fullmatch(revision):
+        return revision
     try:
         from huggingface_hub import snapshot_download  # type: ignore[import-not-found, unused-ignore]
     except ImportError:

@@ -9,8 +9,9 @@ every rank reports and every manifest carries (part of the checkpoint
 identity, invariant I3).
 
 A page of group ``g`` at block ``b`` is, for each layer of the group in the
-group's layer order, the bytes of that layer's view at block ``b`` (``view[b]``),
-split into contiguous runs. The region templates are derived from the
+group's layer order, the bytes of that layer's view at block ``b`` (``view[b]``,
+after grouping kernel blocks back into vLLM blocks), split into contiguous
+runs. The region templates are derived from the
 views' own strides, so any layout vLLM resolves (layer- or block-outermost,
 heads inside or outside the block) is described exactly; padding of a Mamba
 page beyond its state bytes is not copied.
@@ -145,11 +146,17 @@ def build_upstream_layout(
             buffer = -1
             block_stride = 0
             for view in tensors:
-                if len(view.shape) < 1 or int(view.shape[0]) < num_blocks:
+                rows = int(view.shape[0]) if len(view.shape) else 0
+                if rows == 0 or rows % num_blocks:
                     raise LayoutError(
                         f"the KV-cache view of {layer!r} has shape {tuple(view.shape)}; "
-                        f"expected blocks along dimension 0 ({num_blocks} blocks)"
+                        f"expected blocks along dimension 0 ({num_blocks} blocks, or a "
+                        "multiple of them when kernel blocks split a block)"
                     )
+                if rows != num_blocks:
+                    # kernel blocks: each block is `rows // num_blocks` evenly strided
+                    # kernel blocks (vLLM's group_kernel_blocks does the same view)
+                    view = view.unflatten(0, (num_blocks, -1))
                 storage = view.untyped_storage()
                 base = int(storage.data_ptr())
                 if base not in storages:

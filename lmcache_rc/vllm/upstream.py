@@ -16,8 +16,8 @@ What it owns (:class:`UpstreamScheduler`):
   recompute (``kv_load_failure_policy="recompute"``). The failed
   checkpoint is not offered again: the next FIND asks for a shorter one.
 * **Stores.** From ``boundary_state_offloads`` (Mamba align-mode states
-  written by this step's forward): the last block boundary at or below the
-  prompt length, or every one (``store_prompt``); at
+  written by this step's forward): the last block boundary below the prompt
+  length, or every one (``store_prompt``); at
   ``request_finished_all_groups``: the state at ``num_computed_tokens``
   (``store_response``), what the next turn of a conversation continues
   from. Each store pins its blocks in vLLM's pool (``touch``) until every
@@ -169,6 +169,11 @@ class UpstreamScheduler(TaskBook[_Task]):
         if unsupported:
             raise ValueError(f"KV-cache groups {unsupported} cannot be checkpointed")
         self._recurrent = tuple(g for g in self._groups if g.kind == "recurrent")
+        # speculative blocks: vLLM keeps a running state ahead of its canonical block
+        self._speculative = any(
+            int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0) > 0
+            for g in kv_cache_config.kv_cache_groups
+        )
         self._negotiation = LayoutNegotiation(
             world_size,
             identity,
@@ -495,8 +500,10 @@ class UpstreamScheduler(TaskBook[_Task]):
             for boundary, blocks in sorted(by_boundary.items()):
                 if boundary > prompt or set(blocks) != wanted:
                     continue
-                if policy == "last" and boundary + step <= prompt:
-                    continue  # a later boundary of this prompt will be offered
+                if policy == "last" and boundary + step <= prompt - 1:
+                    # vLLM retains the state below the last prompt token (a
+                    # replay recomputes that token), so a later boundary comes
+                    continue
                 table = state.get_block_ids(rid)
                 if table is None:
                     self._counters["store_skipped_blocks"] += 1
@@ -521,7 +528,16 @@ class UpstreamScheduler(TaskBook[_Task]):
             and status in _COMPLETED
         ):
             n = int(request.num_computed_tokens)
-            if n > 0 and int(getattr(request, "num_in_flight_tokens", 0) or 0) == 0:
+            in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0)
+            if self._speculative:
+                # the state of n tokens may not be in its canonical block yet
+                # (vLLM moves accepted drafts' states at the next step)
+                self._counters["store_skipped_speculative"] += 1
+            elif in_flight:
+                # async scheduling: a forward past the end may be writing the
+                # tail block; the previous prompt's checkpoint still serves
+                self._counters["store_skipped_in_flight"] += 1
+            elif n > 0:
                 recurrent: dict[int, int] = {}
                 for info in self._recurrent:
                     ids = list(block_ids[info.index]) if info.index < len(block_ids) else []
@@ -551,15 +567,18 @@ class UpstreamScheduler(TaskBook[_Task]):
         self._offers(scheduler_output)
         self._pump_begins()
         in_flight = sum(1 for t in self._tasks.values() if t.sent)
+        # Never more at the ranks than their copy queues admit (a refused
+        # restore would fail and recompute); restores first: a request is
+        # parked on each, stores only hold blocks. A deferred restore's
+        # request simply stays in WAITING_FOR_REMOTE_KVS a step longer.
         room = max(0, self._options.max_pending - in_flight)
         out: list[CheckpointEngineTask] = []
-        # restores first: a request waits on them; stores only hold blocks
         unsent = sorted(
             (t for t in self._tasks.values() if not t.sent),
             key=lambda t: t.direction != "RETRIEVE",
         )
         for task in unsent:
-            if task.direction == "RETRIEVE" or len(out) < room:
+            if len(out) < room:
                 task.sent = True
                 out.append(task.engine_task())
             else:
@@ -609,6 +628,16 @@ class UpstreamScheduler(TaskBook[_Task]):
             restore.limit = restore.num_tokens - 1
             restore.task_id = None
 
+    def reset(self) -> None:
+        """``reset_cache``: this engine stops restoring anything stored before
+        (a new epoch enters its identity); lookups in progress start over."""
+        epoch = self._negotiation.new_epoch()
+        for rid, restore in list(self._restores.items()):
+            if restore.phase is not RestorePhase.RESTORING:
+                del self._restores[rid]
+        self._counters["resets"] += 1
+        logger.info("lmcache-rc: connector cache reset; identity epoch %d", epoch)
+
     # ------------------------------------------------------------------ status
 
     def has_pending_work(self) -> bool:
@@ -631,6 +660,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             "layout_failed": self._negotiation.failed,
             "layout_ranks": sorted(self._negotiation.reports),
             "lookups": dict(phases),
+            "requests": len(self._requests),
             "tasks": {
                 "STORE": directions.get("STORE", 0),
                 "RETRIEVE": directions.get("RETRIEVE", 0),
