@@ -182,10 +182,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
-    misses = status.pop("misses", {})
-    width = max(len(k) for k in status)
-    for key in sorted(status):
-        print(f"{key:<{width}}  {status[key]}")
+    values = {key: value for key, value in status.items() if key != "misses"}
+    width = max(len(k) for k in values)
+    for key, value in sorted(values.items()):
+        print(f"{key:<{width}}  {value}")
+    misses = status["misses"]
     print("misses" + "".join(f"\n  {k}: {v}" for k, v in sorted(misses.items())) or "")
     return 0
 
@@ -197,8 +198,8 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
-        for key in sorted(report):
-            print(f"{key}: {report[key]}")
+        for key, value in sorted(report.items()):
+            print(f"{key}: {value}")
     return 0
 
 

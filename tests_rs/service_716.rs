@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 use lmcache_rc_core::store::l2::object_file_bytes;
 

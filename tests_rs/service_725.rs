@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
@@ -66,7 +67,7 @@ fn service_725_waiter_reuses_pages_the_first_writer_commits() {
     for (rank, lease) in first.iter().enumerate() {
         fill(&svc, &instruction, rank as u32, lease);
         let published = svc
-            .finish_store(lease.lease_id.as_deref().unwrap(), true)
+            .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
         assert_eq!(published, rank == 3);
     }
@@ -80,7 +81,7 @@ fn service_725_waiter_reuses_pages_the_first_writer_commits() {
         );
         assert!(lease.slots[0][4..].iter().all(Option::is_some));
         fill(&svc, &prompt, rank, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     assert!(is_listed(&svc, &instruction) && is_listed(&svc, &prompt));
@@ -106,7 +107,7 @@ fn service_725_waiter_writes_pages_the_first_writer_aborts() {
         fill(&svc, &instruction, rank as u32, lease);
         let ok = rank != 2;
         assert!(
-            !svc.finish_store(lease.lease_id.as_deref().unwrap(), ok)
+            !svc.finish_store(lease.lease_id.as_deref().unwrap(), ok, None)
                 .unwrap()
         );
     }
@@ -124,7 +125,7 @@ fn service_725_waiter_writes_pages_the_first_writer_aborts() {
             "rank {rank}: every page is written again"
         );
         fill(&svc, &prompt, rank, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     assert!(is_listed(&svc, &prompt));
@@ -144,7 +145,7 @@ fn service_725_pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter
     let first: Vec<_> = (0..4).map(|r| prepare(&svc, &instruction, r)).collect();
     for (rank, lease) in first.iter().enumerate().take(2) {
         fill(&svc, &instruction, rank as u32, lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     // Ranks 0 and 1 reuse the committed pages; ranks 2 and 3 are busy.
@@ -165,12 +166,12 @@ fn service_725_pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter
     // waiter pinned them and still publishes them.
     for lease in &first[2..] {
         assert!(
-            !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+            !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
                 .unwrap()
         );
     }
     for lease in &second {
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     for rank in 2..4 {
@@ -256,7 +257,7 @@ fn store_concurrently(
                     std::thread::sleep(Duration::from_micros(rng.below(3000)));
                     let ok = fail_rank != Some(rank);
                     let published = svc
-                        .finish_store(lease.lease_id.as_deref().unwrap(), ok)
+                        .finish_store(lease.lease_id.as_deref().unwrap(), ok, None)
                         .unwrap();
                     (rank, Ok(published))
                 })

@@ -1,6 +1,7 @@
 //! Basic store → publish → find → retrieve round trips through the service.
 
 use lmcache_rc_core::TokenRoots;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
@@ -51,7 +52,7 @@ fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages() 
         // recurrent page and the auxiliary page are new.
         assert_eq!(new_pages, 3, "rank {rank}: {:?}", lease.slots);
         write_slots(&svc, &m2, rank, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     assert!(retrieve_rank(&svc, &m2, 0));

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::{Checkpoints, MissReason};
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
@@ -47,7 +48,7 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     assert!(svc.begin(&m).unwrap());
     let miss = svc.prepare_store(&m, 0).unwrap();
     assert_eq!(miss.status, LeaseStatus::Miss);
-    assert_eq!(miss.reason, Some("capacity"));
+    assert_eq!(miss.reason, Some(MissReason::Capacity));
     assert_eq!(misses(&svc, "capacity"), 1);
     assert_eq!(stat(&svc, "admission_waits"), 1);
     assert_eq!(stat(&svc, "admission_timeouts"), 1);
@@ -59,7 +60,7 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     }
     assert!(is_listed(&svc, &filler));
     for lease in &leases {
-        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
     assert_idle(&svc);
@@ -93,7 +94,7 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
                 std::thread::sleep(Duration::from_millis(1));
             }
             for lease in &leases {
-                svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+                svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
                     .unwrap();
             }
         });
@@ -132,7 +133,7 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
     assert!(is_listed(&svc, &on_disk), "no RAM is not proof of loss");
     for (rank, lease) in leases.iter().enumerate() {
         check_slots(&svc, &filler, rank as u32, lease);
-        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
     settle(&svc);

@@ -6,6 +6,7 @@
 //! live and otherwise drops everything.
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
@@ -41,11 +42,11 @@ fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generatio
     assert_eq!(stat(&svc, "pending"), 1);
     // The read lease keeps exact bytes until it finishes.
     check_slots(&svc, &read, 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     // The pending generation kept what it needs and publishes.
     assert!(
-        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     for rank in 2..4 {
@@ -102,7 +103,7 @@ fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed() {
     assert_eq!(report.l2_objects, 28 + 21, "{report:?}");
     assert!(!is_listed(&svc, &a) && !is_listed(&svc, &b));
     check_slots(&svc, &b, 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     settle(&svc);
     assert_eq!(l2_files(&l2), (0, 0));
@@ -131,7 +132,7 @@ fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everythin
     assert_eq!(err.kind(), ErrorKind::LeasesLive);
     assert!(err.to_string().contains("1 store"), "{err}");
     assert!(
-        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     // So does a retrieve lease, exposed or not.
@@ -140,7 +141,7 @@ fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everythin
         svc.clear(true, true).unwrap_err().kind(),
         ErrorKind::LeasesLive
     );
-    svc.finish_retrieve(exposed.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(exposed.lease_id.as_deref().unwrap(), None)
         .unwrap();
     svc.clear(false, false).unwrap();
     let lookup = svc.begin_retrieve(&durable, 1).unwrap();
@@ -149,7 +150,7 @@ fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everythin
         svc.clear(true, false).unwrap_err().kind(),
         ErrorKind::LeasesLive
     );
-    svc.cancel_retrieve(lookup.lease_id.as_deref().unwrap())
+    svc.cancel_retrieve(lookup.lease_id.as_deref().unwrap(), None)
         .unwrap();
     settle(&svc);
     // A refused clear changed nothing.

@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig};
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation};
 
@@ -97,7 +98,7 @@ pub fn store_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> (bool, u6
     );
     let copied = write_slots(svc, m, rank, &lease);
     let published = svc
-        .finish_store(lease.lease_id.as_deref().unwrap(), true)
+        .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap();
     (published, copied)
 }
@@ -128,7 +129,7 @@ pub fn retrieve_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> bool {
     }
     let id = lease.lease_id.clone().unwrap();
     let ready = loop {
-        let l = svc.poll_retrieve(&id).unwrap();
+        let l = svc.poll_retrieve(&id, None).unwrap();
         match l.status {
             LeaseStatus::Pending => std::thread::sleep(Duration::from_millis(1)),
             LeaseStatus::Ready => break l,
@@ -151,7 +152,7 @@ pub fn retrieve_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> bool {
             );
         }
     }
-    svc.finish_retrieve(&id).unwrap();
+    svc.finish_retrieve(&id, None).unwrap();
     true
 }
 
@@ -398,7 +399,7 @@ pub fn store_one(svc: &CheckpointService, m: &Manifest, rank: u32) -> (bool, u64
     );
     let copied = fill(svc, m, rank, &lease);
     let published = svc
-        .finish_store(lease.lease_id.as_deref().unwrap(), true)
+        .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap();
     (published, copied)
 }
@@ -420,7 +421,7 @@ pub fn store_all(svc: &CheckpointService, m: &Manifest) -> u64 {
 pub fn poll_done(svc: &CheckpointService, id: &str) -> Lease {
     let deadline = Instant::now() + HANG_GUARD;
     loop {
-        let l = svc.poll_retrieve(id).unwrap();
+        let l = svc.poll_retrieve(id, None).unwrap();
         if l.status != LeaseStatus::Pending {
             return l;
         }
@@ -469,15 +470,15 @@ pub fn open_read(svc: &CheckpointService, m: &Manifest, rank: u32) -> Lease {
 pub fn restore(svc: &CheckpointService, m: &Manifest, rank: u32) -> Result<(), String> {
     let begun = svc.begin_retrieve(m, rank).unwrap();
     if begun.status == LeaseStatus::Miss {
-        return Err(begun.reason.unwrap_or("?").to_string());
+        return Err(begun.reason.map_or("?", |r| r.as_str()).to_string());
     }
     let id = begun.lease_id.clone().unwrap();
     let ready = poll_done(svc, &id);
     if ready.status == LeaseStatus::Miss {
-        return Err(ready.reason.unwrap_or("?").to_string());
+        return Err(ready.reason.map_or("?", |r| r.as_str()).to_string());
     }
     check_slots(svc, m, rank, &ready);
-    svc.finish_retrieve(&id).unwrap();
+    svc.finish_retrieve(&id, None).unwrap();
     Ok(())
 }
 

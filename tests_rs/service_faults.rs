@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
@@ -28,7 +29,7 @@ fn a_rank_reporting_failure_after_the_others_committed_prevents_publication() {
     let lease = prepare(&svc, &m, 3);
     fill(&svc, &m, 3, &lease);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert!(!is_listed(&svc, &m));
@@ -54,7 +55,7 @@ fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
     assert!(svc.begin(&m).unwrap());
     let leases: Vec<_> = (0..4).map(|rank| prepare(&svc, &m, rank)).collect();
     assert!(
-        !svc.finish_store(leases[1].lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(leases[1].lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     // Ranks 0, 2 and 3 are still copying into the aborted attempt.
@@ -65,7 +66,7 @@ fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
     for rank in [0usize, 2, 3] {
         fill(&svc, &m, rank as u32, &leases[rank]);
         assert!(
-            !svc.finish_store(leases[rank].lease_id.as_deref().unwrap(), true)
+            !svc.finish_store(leases[rank].lease_id.as_deref().unwrap(), true, None)
                 .unwrap()
         );
         assert!(!is_listed(&svc, &m));
@@ -110,7 +111,7 @@ fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does() {
     }
     // Once the worker finishes, the generation publishes and close works.
     assert!(
-        svc.finish_store(hung.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(hung.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     restore_all(&svc, &m);
@@ -142,7 +143,7 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
     // The worker finishes late: its pages are discarded, not committed.
     fill(&svc, &abandoned, 0, &hung);
     assert!(
-        !svc.finish_store(hung.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(hung.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     let lease = prepare(&svc, &next, 0);
@@ -152,7 +153,7 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
         lease.slots
     );
     fill(&svc, &next, 0, &lease);
-    svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+    svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap();
     for rank in 1..4 {
         store_one(&svc, &next, rank);

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 use lmcache_rc_core::store::l2::{DirEntryInfo, Fs, ReadFile, RealFs, WriteFile};
 
@@ -149,7 +150,7 @@ fn a_page_stored_again_while_its_l2_delete_runs_stays_durable() {
             "the page was reclaimed: copy it again"
         );
         fill(&svc, &m, 0, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
         settle(&svc);
         if !released {

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::CheckpointService;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::{L2Tier, RealFs};

@@ -5,6 +5,7 @@
 use std::collections::HashSet;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::{Checkpoints, MissReason};
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
@@ -40,7 +41,7 @@ fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_byte
     assert_eq!(err.kind(), ErrorKind::LeasesLive);
     assert!(err.to_string().contains("drain"), "{err}");
     assert_eq!(stat(&svc, "retrieve_leases"), 1);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     assert_eq!(stat(&svc, "retrieve_leases"), 0);
     assert_eq!(stat(&svc, "store_leases"), 0);
@@ -66,7 +67,7 @@ fn content_addressed_pages_skip_resident_duplicate_copies() {
         }
         assert_eq!(fill(&svc, &second, rank, &lease), 256 + 2 * 64 + 96);
         let published = svc
-            .finish_store(lease.lease_id.as_deref().unwrap(), true)
+            .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
         assert_eq!(published, rank == 3);
     }
@@ -105,7 +106,7 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
     assert_eq!(stat(&svc, "pending"), 2);
 
     let id = writer.lease_id.as_deref().unwrap();
-    assert!(!svc.finish_store(id, first_succeeds).unwrap());
+    assert!(!svc.finish_store(id, first_succeeds, None).unwrap());
     let lease = prepare(&svc, &second, 0);
     assert_eq!(lease.status, LeaseStatus::Ready);
     if first_succeeds {
@@ -123,7 +124,7 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
     }
     fill(&svc, &second, 0, &lease);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     for rank in 1..4 {
@@ -170,7 +171,7 @@ fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
     assert!(svc.begin(&m).unwrap());
     let lease = prepare(&svc, &m, 0);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert_eq!(stat(&svc, "store_leases"), 0);
@@ -189,7 +190,7 @@ fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
     assert!(!is_listed(&svc, &m));
     // Once the copy is proven drained the lease can be finished and close works.
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert_eq!(stat(&svc, "pending"), 0);
@@ -215,10 +216,10 @@ fn lease_budget_never_recycles_live_copy_buffers() {
     // The live store blocks a retrieve and another rank's prepare.
     let retrieve = svc.begin_retrieve(&published, 0).unwrap();
     assert_eq!(retrieve.status, LeaseStatus::Miss);
-    assert_eq!(retrieve.reason, Some("lease_budget"));
+    assert_eq!(retrieve.reason, Some(MissReason::LeaseBudget));
     let other = svc.prepare_store(&m, 1).unwrap();
     assert_eq!(other.status, LeaseStatus::Miss);
-    assert_eq!(other.reason, Some("lease_budget"));
+    assert_eq!(other.reason, Some(MissReason::LeaseBudget));
     assert_eq!(
         stat(&svc, "pending"),
         0,
@@ -239,7 +240,7 @@ fn lease_budget_never_recycles_live_copy_buffers() {
         }
     }
     assert!(
-        !svc.finish_store(live.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(live.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     // With the lease finished, a lookup is admitted again; the aborted one misses.
@@ -263,7 +264,7 @@ fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_s
     let lease = prepare(&svc, &m, 1);
     assert!(stat(&svc, "l1_bytes") > 0);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert!(!is_listed(&svc, &m));
@@ -300,7 +301,7 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
     assert!(svc.begin(&oversized).unwrap());
     let miss = svc.prepare_store(&oversized, 0).unwrap();
     assert_eq!(miss.status, LeaseStatus::Miss);
-    assert_eq!(miss.reason, Some("capacity"));
+    assert_eq!(miss.reason, Some(MissReason::Capacity));
     assert!(!is_listed(&svc, &oversized));
     assert_eq!(stat(&svc, "pending"), 0);
     // The read-leased generation stays listed and its bytes intact.
@@ -309,7 +310,7 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
         is_listed(&svc, &pinned),
         "the existing checkpoint was retired"
     );
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     restore_all(&svc, &pinned);
     // A replacement of the same prefix publishes normally.
@@ -340,7 +341,7 @@ fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish() 
     );
     for (rank, lease) in leases.iter().enumerate() {
         check_slots(&svc, &m, rank as u32, lease);
-        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
     // After finish every page can be deleted from L1.
@@ -384,10 +385,10 @@ fn nonforced_clear_preserves_read_and_write_leases(expose_slots: bool) {
     if let Some(l) = exposed {
         assert_eq!(l.slots, ready.slots);
     }
-    svc.finish_retrieve(&read_id).unwrap();
+    svc.finish_retrieve(&read_id, None).unwrap();
     // Finishing the write lease commits its pages; the generation needs 3 more ranks.
     assert!(
-        !svc.finish_store(wlease.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(wlease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     for rank in 1..4 {
@@ -423,7 +424,7 @@ fn a_failed_rank_prevents_publication_after_other_ranks_complete() {
         fill(&svc, &m, rank as u32, lease);
         let ok = rank != 1;
         let published = svc
-            .finish_store(lease.lease_id.as_deref().unwrap(), ok)
+            .finish_store(lease.lease_id.as_deref().unwrap(), ok, None)
             .unwrap();
         assert!(!published, "rank {rank} must not publish");
     }
@@ -487,7 +488,7 @@ fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks() {
     assert_eq!(restore(&svc, &m, 2).unwrap_err(), "lost_object");
     assert!(!is_listed(&svc, &m), "the generation is delisted");
     check_slots(&svc, &m, 1, &held);
-    svc.finish_retrieve(held.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(held.lease_id.as_deref().unwrap(), None)
         .unwrap();
     assert_eq!(restore(&svc, &m, 0).unwrap_err(), "not_listed");
     // Nothing of the retired generation remains in either tier.
@@ -514,14 +515,14 @@ fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generat
         let begun = svc.begin_retrieve(&m, 3).unwrap();
         assert_eq!(begun.status, LeaseStatus::Pending);
         let id = begun.lease_id.unwrap();
-        svc.cancel_retrieve(&id).unwrap();
+        svc.cancel_retrieve(&id, None).unwrap();
         assert_eq!(stat(&svc, "retrieve_leases"), 0);
         // The lease is gone: a late poll is refused, never a hit.
         assert_eq!(
-            svc.poll_retrieve(&id).unwrap_err().kind(),
+            svc.poll_retrieve(&id, None).unwrap_err().kind(),
             ErrorKind::NotFound
         );
-        svc.cancel_retrieve(&id).unwrap();
+        svc.cancel_retrieve(&id, None).unwrap();
         assert!(svc.wait_l2_idle(HANG_GUARD));
         assert!(is_listed(&svc, &m), "cancel never invalidates");
         assert_idle(&svc);
@@ -597,7 +598,7 @@ fn checkpoint_pages_are_individually_evictable_except_leased_ones() {
     store_all(&svc, &big);
     assert_eq!(stat(&svc, "l1_objects"), free_pages + 7);
     check_slots(&svc, &m, 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     assert!(
         is_listed(&svc, &m),
@@ -631,7 +632,7 @@ fn sustained_stores_reclaim_capacity_without_losing_a_read() {
     assert_eq!(misses(&svc, "capacity"), 0);
     assert_eq!(stat(&svc, "admission_timeouts"), 0);
     check_slots(&svc, &gens[0], 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     restore_all(&svc, &gens[15]);
     assert_idle(&svc);

@@ -18,6 +18,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::wire::{self, Reply, Request, Value, WireManifest, WirePrefix};
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
@@ -58,7 +59,7 @@ fn populate(svc: &CheckpointService, generations: u32) {
         let lease = svc.prepare_store(&m, 0).expect("prepare");
         assert_eq!(lease.status, LeaseStatus::Ready);
         let id = lease.lease_id.expect("lease id");
-        assert!(svc.finish_store(&id, true).expect("finish"));
+        assert!(svc.finish_store(&id, true, None).expect("finish"));
     }
     println!(
         "populated {generations} generations in {:.1} s",

@@ -15,6 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 use lmcache_rc_core::transfer::{

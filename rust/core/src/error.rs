@@ -115,6 +115,25 @@ impl Error {
         Error::InvalidInput(message.into())
     }
 
+    /// The error a peer reports as `kind` with `message`: the transport
+    /// kinds (`Unavailable`, `Protocol`, `Timeout`, `Internal`) become their
+    /// own variants, every other kind a [`Error::Remote`] carrying it.
+    pub fn from_kind(kind: ErrorKind, message: String) -> Self {
+        match kind {
+            ErrorKind::Unavailable => Error::Unavailable(message),
+            ErrorKind::Protocol => Error::Protocol(message),
+            ErrorKind::Timeout => Error::Timeout(message),
+            ErrorKind::Internal => Error::Internal(message),
+            kind => Error::Remote { kind, message },
+        }
+    }
+
+    /// A copy of this error with the same kind and message (errors are not
+    /// `Clone`: an I/O source cannot be). What an RPC reply would carry.
+    pub fn replicate(&self) -> Self {
+        Error::from_kind(self.kind(), self.to_string())
+    }
+
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {

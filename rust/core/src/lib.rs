@@ -6,6 +6,7 @@
 //! - [`manifest`]: manifests and payload page-group validation;
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
+//! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
@@ -19,6 +20,7 @@ pub mod identity;
 pub mod index;
 pub mod json;
 pub mod manifest;
+pub mod protocol;
 pub mod rpc;
 pub mod service;
 pub mod store;

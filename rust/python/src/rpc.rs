@@ -1,73 +1,26 @@
-//! Python classes for the sidecar RPC: `Client` (the methods of
-//! `CheckpointService`, each with an `*_async` twin returning a `Future`),
-//! `Future`, the embedded `Server`, and zero-copy views of the pool as a
-//! client maps it. Every wait runs with the GIL released.
+//! Python classes for the sidecar RPC: `Client` (the protocol methods of
+//! `protocol.rs` over the typed RPC client), the embedded `Server`, and
+//! zero-copy views of the pool as a client maps it. Every wait runs with the
+//! GIL released.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lmcache_rc_core::rpc::wire::{WireManifest, WirePrefix};
-use lmcache_rc_core::rpc::{self, Client, ClientConfig, PendingReply, Request, Value};
+use lmcache_rc_core::Error;
+use lmcache_rc_core::protocol::{Checkpoints, CheckpointsAsync};
+use lmcache_rc_core::rpc::{self, Client, ClientConfig};
 use lmcache_rc_core::store::shm::ShmPool;
-use lmcache_rc_core::{Error, ErrorKind};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 use std::ffi::c_int;
 
 use crate::errors::{IntoPyResult, invalid, to_pyerr};
 use crate::identity::PyManifest;
-use crate::service::{
-    PyLease, attr, capabilities_dict, clear_dict, fill_byte_buffer, roots_of, seconds,
-    service_config, status_dict,
-};
-
-/// How a reply value becomes a Python object.
-#[derive(Debug, Clone, Copy)]
-enum Expect {
-    Unit,
-    Bool,
-    Capabilities,
-    Manifest,
-    Lease,
-    Status,
-    Clear,
-    Generations,
-}
-
-fn to_python(py: Python<'_>, expect: Expect, value: Value) -> PyResult<Py<PyAny>> {
-    Ok(match expect {
-        Expect::Unit => {
-            value.into_unit().py()?;
-            py.None()
-        }
-        Expect::Bool => PyBool::new(py, value.into_bool().py()?)
-            .to_owned()
-            .into_any()
-            .unbind(),
-        Expect::Capabilities => capabilities_dict(py, value.into_capabilities().py()?)?
-            .into_any()
-            .unbind(),
-        Expect::Manifest => match value.into_manifest().py()? {
-            Some(m) => Py::new(py, PyManifest::wrap(m))?.into_any(),
-            None => py.None(),
-        },
-        Expect::Lease => Py::new(py, PyLease::from(value.into_lease().py()?))?.into_any(),
-        Expect::Status => status_dict(py, value.into_status().py()?)?
-            .into_any()
-            .unbind(),
-        Expect::Clear => clear_dict(py, value.into_clear().py()?)?
-            .into_any()
-            .unbind(),
-        Expect::Generations => {
-            crate::service::generations_list(py, value.into_generations().py()?)?
-                .into_any()
-                .unbind()
-        }
-    })
-}
+use crate::protocol::{PyLease, ToPython, checkpoint_pymethods};
+use crate::service::{attr, fill_byte_buffer, seconds, service_config};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -82,10 +35,6 @@ fn duration(value: f64, name: &str) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(value))
 }
 
-fn manifest_of(m: &PyManifest) -> WireManifest {
-    WireManifest::from(&m.inner)
-}
-
 /// A client of a sidecar socket. Thread-safe: share one between the
 /// scheduler bridge and copy threads. Calls block up to `timeout` seconds
 /// with the GIL released; `*_async` variants return a `Future`. After a
@@ -98,16 +47,9 @@ pub struct PyClient {
 }
 
 impl PyClient {
-    fn call(&self, py: Python<'_>, request: Request, expect: Expect) -> PyResult<Py<PyAny>> {
-        let client = &self.inner;
-        let value = py.detach(|| client.call(request)).py()?;
-        to_python(py, expect, value)
-    }
-
-    fn send(&self, py: Python<'_>, request: Request, expect: Expect) -> PyFuture {
-        let client = &self.inner;
-        let pending = py.detach(|| client.call_async(request));
-        PyFuture { pending, expect }
+    /// The client the protocol methods call.
+    fn api(&self) -> &Client {
+        &self.inner
     }
 
     /// The pool mapped by the name and size the server announces; mapped
@@ -132,8 +74,7 @@ impl PyClient {
     }
 }
 
-#[pymethods]
-impl PyClient {
+checkpoint_pymethods!(PyClient, api, {
     #[new]
     #[pyo3(signature = (socket_path, timeout = 60.0, connect_timeout = 10.0))]
     fn new(
@@ -166,200 +107,6 @@ impl PyClient {
     #[getter]
     fn connected(&self) -> bool {
         self.inner.is_connected()
-    }
-
-    /// format_version, protocol_version, shm_name, pool_size, durable_index.
-    fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Capabilities, Expect::Capabilities)
-    }
-    /// `capabilities` without waiting.
-    fn capabilities_async(&self, py: Python<'_>) -> PyFuture {
-        self.send(py, Request::Capabilities, Expect::Capabilities)
-    }
-
-    /// The longest listed generation matching the roots (a candidate).
-    fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let roots = wire_roots(roots)?;
-        self.call(py, Request::Find { roots }, Expect::Manifest)
-    }
-    /// `find` without waiting.
-    fn find_async(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<PyFuture> {
-        let roots = wire_roots(roots)?;
-        Ok(self.send(py, Request::Find { roots }, Expect::Manifest))
-    }
-
-    /// Stages a generation; False = duplicate, no pending capacity, or the
-    /// server is shutting down.
-    fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<Py<PyAny>> {
-        let manifest = manifest_of(manifest);
-        self.call(py, Request::Begin { manifest }, Expect::Bool)
-    }
-    /// `begin` without waiting.
-    fn begin_async(&self, py: Python<'_>, manifest: &PyManifest) -> PyFuture {
-        let manifest = manifest_of(manifest);
-        self.send(py, Request::Begin { manifest }, Expect::Bool)
-    }
-
-    /// Aborts a pending generation.
-    fn abort(&self, py: Python<'_>, generation: String) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Abort { generation }, Expect::Unit)
-    }
-    /// `abort` without waiting.
-    fn abort_async(&self, py: Python<'_>, generation: String) -> PyFuture {
-        self.send(py, Request::Abort { generation }, Expect::Unit)
-    }
-
-    /// Leases slots for one rank's pages: status ready | busy | miss.
-    fn prepare_store(
-        &self,
-        py: Python<'_>,
-        manifest: &PyManifest,
-        rank: u32,
-    ) -> PyResult<Py<PyAny>> {
-        let manifest = manifest_of(manifest);
-        self.call(py, Request::PrepareStore { manifest, rank }, Expect::Lease)
-    }
-    /// `prepare_store` without waiting.
-    fn prepare_store_async(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyFuture {
-        let manifest = manifest_of(manifest);
-        self.send(py, Request::PrepareStore { manifest, rank }, Expect::Lease)
-    }
-
-    /// Ends a store lease; True only for the call that published. With
-    /// `rank`, the server refuses a lease another rank obtained.
-    #[pyo3(signature = (lease_id, success, *, rank = None))]
-    fn finish_store(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        success: bool,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        let request = Request::FinishStore {
-            lease_id,
-            success,
-            rank,
-        };
-        self.call(py, request, Expect::Bool)
-    }
-    /// `finish_store` without waiting.
-    #[pyo3(signature = (lease_id, success, *, rank = None))]
-    fn finish_store_async(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        success: bool,
-        rank: Option<u32>,
-    ) -> PyFuture {
-        let request = Request::FinishStore {
-            lease_id,
-            success,
-            rank,
-        };
-        self.send(py, request, Expect::Bool)
-    }
-
-    /// Starts a retrieve: status pending | miss.
-    fn begin_retrieve(
-        &self,
-        py: Python<'_>,
-        manifest: &PyManifest,
-        rank: u32,
-    ) -> PyResult<Py<PyAny>> {
-        let manifest = manifest_of(manifest);
-        self.call(py, Request::BeginRetrieve { manifest, rank }, Expect::Lease)
-    }
-    /// `begin_retrieve` without waiting.
-    fn begin_retrieve_async(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyFuture {
-        let manifest = manifest_of(manifest);
-        self.send(py, Request::BeginRetrieve { manifest, rank }, Expect::Lease)
-    }
-
-    /// Polls a retrieve: pending | ready | miss.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn poll_retrieve(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::PollRetrieve { lease_id, rank }, Expect::Lease)
-    }
-    /// `poll_retrieve` without waiting.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn poll_retrieve_async(&self, py: Python<'_>, lease_id: String, rank: Option<u32>) -> PyFuture {
-        self.send(py, Request::PollRetrieve { lease_id, rank }, Expect::Lease)
-    }
-
-    /// Ends an exposed retrieve lease after the copy drained.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn finish_retrieve(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::FinishRetrieve { lease_id, rank }, Expect::Unit)
-    }
-    /// `finish_retrieve` without waiting.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn finish_retrieve_async(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyFuture {
-        self.send(py, Request::FinishRetrieve { lease_id, rank }, Expect::Unit)
-    }
-
-    /// Cancels a retrieve that exposed nothing; never invalidates.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn cancel_retrieve(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::CancelRetrieve { lease_id, rank }, Expect::Unit)
-    }
-    /// `cancel_retrieve` without waiting.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn cancel_retrieve_async(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyFuture {
-        self.send(py, Request::CancelRetrieve { lease_id, rank }, Expect::Unit)
-    }
-
-    /// Counters and gauges of the service and the RPC layer.
-    fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Status, Expect::Status)
-    }
-    /// `status` without waiting.
-    fn status_async(&self, py: Python<'_>) -> PyFuture {
-        self.send(py, Request::Status, Expect::Status)
-    }
-
-    /// Drops L1 copies (and L2 files with all_tiers); see DESIGN §7.
-    #[pyo3(signature = (force = false, all_tiers = false))]
-    fn clear(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Clear { force, all_tiers }, Expect::Clear)
-    }
-    /// `clear` without waiting.
-    #[pyo3(signature = (force = false, all_tiers = false))]
-    fn clear_async(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyFuture {
-        self.send(py, Request::Clear { force, all_tiers }, Expect::Clear)
-    }
-
-    /// Every listed generation (dicts, as `CheckpointService.list_generations`).
-    fn list_generations(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::ListGenerations, Expect::Generations)
-    }
-    /// `list_generations` without waiting.
-    fn list_generations_async(&self, py: Python<'_>) -> PyFuture {
-        self.send(py, Request::ListGenerations, Expect::Generations)
     }
 
     /// Closes the connection (later calls raise `Closed`). Leases obtained
@@ -424,11 +171,7 @@ impl PyClient {
             }
         )
     }
-}
-
-fn wire_roots(roots: &Bound<'_, PyAny>) -> PyResult<Vec<WirePrefix>> {
-    Ok(roots_of(roots)?.iter().map(WirePrefix::from).collect())
-}
+});
 
 fn pool_array(
     py: Python<'_>,
@@ -491,70 +234,6 @@ impl MappedSlotView {
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
-}
-
-/// The pending result of a `Client.*_async` call.
-#[pyclass(name = "Future", module = "lmcache_rc._native", frozen)]
-pub struct PyFuture {
-    pending: PendingReply,
-    expect: Expect,
-}
-
-#[pymethods]
-impl PyFuture {
-    /// Whether the reply (or the failure) is in.
-    fn done(&self) -> bool {
-        self.pending.is_done()
-    }
-
-    /// Waits up to `timeout` seconds (None = until done) and returns the
-    /// call's result or raises its error; raises `RpcTimeout` (and stays
-    /// pending) if the reply did not come in time. Ctrl-C interrupts a wait.
-    #[pyo3(signature = (timeout = None))]
-    fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let deadline = match timeout {
-            Some(t) if !(t.is_finite() && t >= 0.0) => {
-                return Err(invalid("timeout must be a non-negative number of seconds"));
-            }
-            Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))),
-            None => None,
-        };
-        let pending = &self.pending;
-        loop {
-            let slice = match deadline {
-                Some(d) => d
-                    .saturating_duration_since(Instant::now())
-                    .min(Duration::from_millis(100)),
-                None => Duration::from_millis(100),
-            };
-            match py.detach(|| pending.wait(Some(slice))) {
-                Ok(value) => return to_python(py, self.expect, value),
-                Err(e) if e.kind() == ErrorKind::Timeout && !pending.is_done() => {
-                    py.check_signals()?;
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(to_pyerr(Error::Timeout(format!(
-                            "no reply to {} within {} s",
-                            pending.operation(),
-                            timeout.unwrap_or_default()
-                        ))));
-                    }
-                }
-                Err(e) => return Err(to_pyerr(e)),
-            }
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Future({}, done={})",
-            self.pending.operation(),
-            if self.pending.is_done() {
-                "True"
-            } else {
-                "False"
-            }
-        )
-    }
 }
 
 /// The sidecar running in this process (tests, notebooks, `lmcache-rc
@@ -681,10 +360,10 @@ impl PyServer {
     }
 
     /// The service's status plus the RPC counters (rpc_connections, ...).
-    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let server = self.running()?;
         let status = py.detach(|| server.status()).py()?;
-        status_dict(py, status)
+        status.to_python(py)
     }
 
     /// Graceful shutdown: stops admitting work, lets live leases finish for

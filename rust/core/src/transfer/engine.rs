@@ -16,7 +16,7 @@ use super::plan::{self, Direction};
 use super::sidecar::{LeaseAnswer, LeaseApi, LeaseCall};
 use crate::error::{Error, ErrorKind, Result};
 use crate::manifest::{Manifest, PayloadSchema};
-use crate::service::{Capabilities, Lease, LeaseStatus};
+use crate::protocol::{Capabilities, Lease, LeaseStatus, MissReason};
 use crate::store::shm::ShmPool;
 
 /// Settings of a [`TransferEngine`].
@@ -816,7 +816,9 @@ impl Inner {
                     backoff_sleep(&mut step, Duration::from_millis(10), deadline);
                 }
                 LeaseStatus::Miss => {
-                    return Err(Outcome::Miss(lease.reason.unwrap_or("miss").to_string()));
+                    return Err(Outcome::Miss(
+                        lease.reason.map_or("miss", MissReason::as_str).to_string(),
+                    ));
                 }
                 LeaseStatus::Pending => {
                     return Err(Outcome::Failed(Error::Protocol(
@@ -878,9 +880,9 @@ impl Inner {
             (LeaseStatus::Ready, None) => Err(Outcome::Failed(Error::Protocol(
                 "a ready retrieve lease has no id".into(),
             ))),
-            (LeaseStatus::Miss, _) => {
-                Err(Outcome::Miss(lease.reason.unwrap_or("miss").to_string()))
-            }
+            (LeaseStatus::Miss, _) => Err(Outcome::Miss(
+                lease.reason.map_or("miss", MissReason::as_str).to_string(),
+            )),
             (other, _) => Err(Outcome::Failed(Error::Protocol(format!(
                 "begin_retrieve answered {:?}",
                 other.as_str()
