@@ -26,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(identity::checkpoint_namespace, m)?)?;
     m.add_function(wrap_pyfunction!(identity::checkpoint_generation, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_error_classes, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::_error_table, m)?)?;
     m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;
