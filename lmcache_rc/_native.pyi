@@ -10,7 +10,6 @@ from typing import Any, Generic, TypeAlias, TypeVar, final
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_rc.config import ServerConfig
 from lmcache_rc.results import (
     Capabilities,
     ClearReport,
@@ -35,6 +34,7 @@ __all__ = [
     "MappedSlotView",
     "Prefix",
     "Server",
+    "ServerConfig",
     "SlotView",
     "TokenRoots",
     "TransferEngine",
@@ -45,6 +45,9 @@ __all__ = [
     "_log_for_test",
     "checkpoint_generation",
     "checkpoint_namespace",
+    "default_l1_bytes",
+    "default_socket_path",
+    "shm_name_for",
 ]
 
 _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -59,6 +62,65 @@ def checkpoint_generation(prefix: Prefix, payload: bytes) -> str: ...
 def _error_classes() -> list[tuple[str, str]]: ...
 def _error_table() -> list[tuple[str, str, list[str], str]]: ...
 def _log_for_test(level: str, message: str) -> None: ...
+def default_socket_path() -> str: ...
+def default_l1_bytes() -> int: ...
+def shm_name_for(socket: str | os.PathLike[str]) -> str: ...
+
+_Path: TypeAlias = str | os.PathLike[str]
+
+@final
+class ServerConfig:
+    """Every setting of a sidecar; see ``lmcache_rc.config``."""
+
+    socket: str
+    shm_name: str
+    l1_bytes: int
+    checkpoint_index_path: str | None
+    l2_path: str | None
+    l2_bytes: int | None
+    http_host: str
+    http_port: int
+    max_entries: int
+    max_pending: int
+    max_leases: int
+    store_admission_timeout: float
+    retrieve_timeout: float
+    abandoned_after: float | None
+    l2_io_threads: int
+    drain_timeout: float
+    max_connections: int
+    def __new__(
+        cls,
+        *,
+        socket: _Path = ...,
+        shm_name: str | None = ...,
+        l1_bytes: int = ...,
+        checkpoint_index_path: _Path | None = ...,
+        l2_path: _Path | None = ...,
+        l2_bytes: int | None = ...,
+        http_host: str = ...,
+        http_port: int = ...,
+        max_entries: int = ...,
+        max_pending: int = ...,
+        max_leases: int = ...,
+        store_admission_timeout: float = ...,
+        retrieve_timeout: float = ...,
+        abandoned_after: float | None = ...,
+        l2_io_threads: int = ...,
+        drain_timeout: float = ...,
+        max_connections: int = ...,
+    ) -> ServerConfig: ...
+    @classmethod
+    def from_env(cls, **overrides: object) -> ServerConfig: ...
+    @staticmethod
+    def fields() -> list[tuple[str, str, bool, str]]: ...
+    @staticmethod
+    def parse(name: str, text: str) -> object: ...
+    def as_dict(self) -> dict[str, object]: ...
+    def replace(self, **changes: object) -> ServerConfig: ...
+    def __dir__(self) -> list[str]: ...
+    def __reduce__(self) -> tuple[object, tuple[()]]: ...
+    def __eq__(self, other: object, /) -> bool: ...
 
 @final
 class Prefix:

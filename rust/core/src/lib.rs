@@ -1,6 +1,7 @@
 //! lmcache-rc core: everything that is not Python glue.
 //!
 //! Modules own one concern each (see `docs/architecture.md`):
+//! - [`config`]: every setting of a sidecar, declared once;
 //! - [`http`]: the sidecar's HTTP admin API (status, metrics, clear);
 //! - [`identity`]: namespaces, token roots, prefixes, page keys, generation ids;
 //! - [`manifest`]: manifests and payload page-group validation;
@@ -14,6 +15,7 @@
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
+pub mod config;
 pub mod error;
 pub mod http;
 pub mod identity;

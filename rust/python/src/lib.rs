@@ -3,6 +3,7 @@
 //! This crate only converts types, releases the GIL around blocking work and
 //! maps errors (in `errors.rs`). Behaviour lives in the core crate.
 
+mod config;
 mod convert;
 mod directory;
 mod errors;
@@ -28,6 +29,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(errors::_error_classes, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_error_table, m)?)?;
     m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
+    m.add_function(wrap_pyfunction!(config::default_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(config::default_l1_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(config::shm_name_for, m)?)?;
+    m.add_class::<config::PyServerConfig>()?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;
     m.add_class::<identity::PyManifest>()?;

@@ -17,10 +17,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::ffi::c_int;
 
+use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid, to_pyerr};
 use crate::identity::PyManifest;
 use crate::protocol::{PyLease, ToPython, checkpoint_pymethods};
-use crate::service::{attr, fill_byte_buffer, seconds, service_config};
+use crate::service::fill_byte_buffer;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -271,7 +272,7 @@ impl PyServer {
 
 #[pymethods]
 impl PyServer {
-    /// Starts a server for `config` (an `rc.ServerConfig`).
+    /// Starts a server for `config` (a `ServerConfig`).
     ///
     /// `temp_socket` chooses where it listens: None (the default, embedded
     /// use) = in a fresh private temporary directory when the config's socket
@@ -284,58 +285,23 @@ impl PyServer {
     #[pyo3(signature = (config, *, temp_socket = None))]
     fn start(
         py: Python<'_>,
-        config: &Bound<'_, PyAny>,
+        config: &PyServerConfig,
         temp_socket: Option<bool>,
     ) -> PyResult<PyServer> {
-        let mut service = service_config(config)?;
-        let socket: Option<PathBuf> = attr(config, "socket")?.map(|v| v.extract()).transpose()?;
-        let helpers = py.import("lmcache_rc.config")?;
-        let default_socket: PathBuf = helpers.call_method0("default_socket_path")?.extract()?;
-        let configured = socket.unwrap_or_else(|| default_socket.clone());
-        let temp = temp_socket.unwrap_or(configured == default_socket);
-        let mut rpc_config = if temp {
-            let path = rpc::temp_socket_path().py()?;
-            let derived: String = helpers
-                .call_method1("shm_name_for", (configured,))?
-                .extract()?;
-            if service.shm_name == derived {
-                service.shm_name = helpers
-                    .call_method1("shm_name_for", (path.clone(),))?
-                    .extract()?;
-            }
-            let mut c = rpc::ServerConfig::new(path);
-            c.remove_dir_on_stop = true;
-            c
-        } else {
-            rpc::ServerConfig::new(configured)
-        };
-        let drain = match attr(config, "drain_timeout")? {
-            Some(v) => seconds(&v, "drain_timeout")?,
-            None => rpc_config.drain_timeout,
-        };
-        rpc_config.drain_timeout = drain;
-        if let Some(v) = attr(config, "max_connections")? {
-            rpc_config.max_connections = v.extract()?;
-        }
-        let http_host: String = match attr(config, "http_host")? {
-            Some(v) => v.extract()?,
-            None => "127.0.0.1".to_string(),
-        };
-        let http_port: i64 = match attr(config, "http_port")? {
-            Some(v) => v.extract()?,
-            None => 0,
-        };
+        let config = &config.inner;
+        let (service, rpc_config) = config.server_configs(temp_socket).py()?;
+        let http_bind = config.http_bind().py()?;
+        let drain = rpc_config.drain_timeout;
         let server = py.detach(|| rpc::Server::open(service, rpc_config)).py()?;
-        let http = if http_port >= 0 {
-            let port = u16::try_from(http_port)
-                .map_err(|_| invalid(format!("http_port must be in 0..65535, got {http_port}")))?;
-            let service = server.service().clone();
-            Some(
-                py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&http_host, port, service))
-                    .py()?,
-            )
-        } else {
-            None
+        let http = match http_bind {
+            Some((host, port)) => {
+                let service = server.service().clone();
+                Some(
+                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&host, port, service))
+                        .py()?,
+                )
+            }
+            None => None,
         };
         Ok(PyServer {
             socket: server.socket_path().display().to_string(),

@@ -4,82 +4,20 @@
 //! runs with the GIL released.
 
 use std::ffi::{CStr, c_int, c_void};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use lmcache_rc_core::protocol::{Checkpoints, CheckpointsAsync};
-use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
+use lmcache_rc_core::service::CheckpointService;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid};
 use crate::identity::PyManifest;
 pub(crate) use crate::protocol::capabilities_dict;
 use crate::protocol::{PyLease, checkpoint_pymethods};
-
-/// Reads an optional attribute of the config object.
-pub(crate) fn attr<'py>(
-    config: &Bound<'py, PyAny>,
-    name: &str,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    match config.getattr(name) {
-        Ok(v) if v.is_none() => Ok(None),
-        Ok(v) => Ok(Some(v)),
-        Err(_) => Ok(None),
-    }
-}
-
-pub(crate) fn seconds(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
-    let s: f64 = value.extract()?;
-    if !(s.is_finite() && s >= 0.0) {
-        return Err(invalid(format!(
-            "{name} must be a non-negative number of seconds"
-        )));
-    }
-    Ok(Duration::from_secs_f64(s))
-}
-
-/// Builds the core config from any object with `ServerConfig`'s attributes.
-pub fn service_config(config: &Bound<'_, PyAny>) -> PyResult<ServiceConfig> {
-    let mut out = ServiceConfig::default();
-    if let Some(v) = attr(config, "shm_name")? {
-        out.shm_name = v.extract()?;
-    }
-    if let Some(v) = attr(config, "l1_bytes")? {
-        out.l1_bytes = v.extract()?;
-    }
-    out.l2_path = attr(config, "l2_path")?
-        .map(|v| v.extract::<PathBuf>())
-        .transpose()?;
-    out.l2_bytes = attr(config, "l2_bytes")?.map(|v| v.extract()).transpose()?;
-    out.checkpoint_index_path = attr(config, "checkpoint_index_path")?
-        .map(|v| v.extract::<PathBuf>())
-        .transpose()?;
-    if let Some(v) = attr(config, "max_entries")? {
-        out.max_entries = v.extract()?;
-    }
-    if let Some(v) = attr(config, "max_pending")? {
-        out.max_pending = v.extract()?;
-    }
-    if let Some(v) = attr(config, "max_leases")? {
-        out.max_leases = v.extract()?;
-    }
-    if let Some(v) = attr(config, "store_admission_timeout")? {
-        out.store_admission_timeout = seconds(&v, "store_admission_timeout")?;
-    }
-    if let Some(v) = attr(config, "retrieve_timeout")? {
-        out.retrieve_timeout = seconds(&v, "retrieve_timeout")?;
-    }
-    out.abandoned_after = attr(config, "abandoned_after")?
-        .map(|v| seconds(&v, "abandoned_after"))
-        .transpose()?;
-    if let Some(v) = attr(config, "l2_io_threads")? {
-        out.l2_io_threads = v.extract()?;
-    }
-    Ok(out)
-}
 
 /// The checkpoint service running in this process (tests, notebooks, the
 /// embedded server). Same methods as `lmcache_rc.Client`.
@@ -96,9 +34,10 @@ impl PyCheckpointService {
 }
 
 checkpoint_pymethods!(PyCheckpointService, api, {
+    /// Opens the service with the settings of `config` (a `ServerConfig`).
     #[new]
-    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let config = service_config(config)?;
+    fn new(py: Python<'_>, config: &PyServerConfig) -> PyResult<Self> {
+        let config = config.inner.service_config().py()?;
         let inner = py.detach(|| CheckpointService::open(config)).py()?;
         Ok(PyCheckpointService { inner })
     }

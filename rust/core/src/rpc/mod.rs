@@ -95,5 +95,5 @@ pub mod wire;
 
 pub use crate::protocol::Pending;
 pub use client::{Client, ClientConfig, PendingReply};
-pub use server::{Server, ServerConfig, ShutdownReport, temp_socket_path};
+pub use server::{Server, ServerConfig, ShutdownReport, default_socket_path, temp_socket_path};
 pub use wire::{PROTOCOL_VERSION, Reply, Request, Value};

@@ -95,6 +95,24 @@ pub struct ShutdownReport {
     pub close_error: Option<String>,
 }
 
+/// The socket a sidecar listens on when none is configured:
+/// `$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock` when that directory exists,
+/// else `/tmp/lmcache-rc-<uid>/sidecar.sock`.
+pub fn default_socket_path() -> PathBuf {
+    let runtime = std::env::var_os("XDG_RUNTIME_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir());
+    let dir = match runtime {
+        Some(d) => d.join("lmcache-rc"),
+        None => PathBuf::from(format!(
+            "/tmp/lmcache-rc-{}",
+            rustix::process::getuid().as_raw()
+        )),
+    };
+    dir.join("sidecar.sock")
+}
+
 /// A fresh socket path `<tmp>/lmcache-rc-<pid>-<n>/sidecar.sock` in a new
 /// directory of mode 0700 (the embedded server's default).
 pub fn temp_socket_path() -> Result<PathBuf> {

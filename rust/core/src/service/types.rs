@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Configuration of a [`super::CheckpointService`]. Every field is a future
-/// `lmcache-rc serve` flag (dashes for underscores).
+/// Configuration of a [`super::CheckpointService`]. A sidecar builds it from
+/// its [`SidecarConfig`](crate::config::SidecarConfig), whose defaults for
+/// these fields are the ones below.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceConfig {
     /// Name of the POSIX shared-memory pool (unique per server on a host).
@@ -37,7 +38,7 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         ServiceConfig {
             shm_name: format!("lmcache-rc-{}", std::process::id()),
-            l1_bytes: 1 << 30,
+            l1_bytes: crate::store::shm::default_l1_bytes(),
             l2_path: None,
             l2_bytes: None,
             checkpoint_index_path: None,
