@@ -11,6 +11,8 @@
 //! second pool, through a real RPC server in this process. Also prints a
 //! two-thread memcpy: on a machine whose memory bandwidth one thread nearly
 //! saturates, that is the ceiling for two copy threads.
+// A benchmark reports on stdout and stops at the first failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
