@@ -1,8 +1,8 @@
-//! The §11.3 acceptance criteria that apply in process (the others are
-//! covered by `service_scenarios`, `service_faults`, `service_capacity` and
-//! `service_clear`): rejected admission aborts only the new generation,
-//! non-success paths never leave a phantom lease or pin, lease ownership
-//! rules (§5.4), and close.
+//! Lease rules of the service: a rejected admission aborts only the new
+//! generation, non-success paths never leave a phantom lease or pin,
+//! finishing twice or an unknown lease is answered plainly, a read lease
+//! survives the replacement of its generation, and close waits for exposed
+//! leases only.
 
 use lmcache_rc_core::ErrorKind;
 use lmcache_rc_core::protocol::{Checkpoints, MissReason};

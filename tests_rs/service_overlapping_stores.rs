@@ -1,5 +1,5 @@
-//! local-inference-lab/vllm#725 acceptance (spec §11.2): overlapping stores
-//! that share content-addressed pages never lose a generation. A store that
+//! Overlapping stores that share content-addressed pages never lose a
+//! generation (the loss of local-inference-lab/vllm#725). A store that
 //! finds a shared page being written by another lease is told `busy`, keeps
 //! its generation pending, and after the writer commits reuses the page (no
 //! copy) or after it aborts writes the page itself.
@@ -55,7 +55,7 @@ fn assert_all_ranks_busy(svc: &CheckpointService, m: &Manifest) {
 }
 
 #[test]
-fn service_725_waiter_reuses_pages_the_first_writer_commits() {
+fn waiter_reuses_pages_the_first_writer_commits() {
     let svc = CheckpointService::open(config("725-commit", None)).unwrap();
     let conv = seq(11_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
@@ -92,7 +92,7 @@ fn service_725_waiter_reuses_pages_the_first_writer_commits() {
 }
 
 #[test]
-fn service_725_waiter_writes_pages_the_first_writer_aborts() {
+fn waiter_writes_pages_the_first_writer_aborts() {
     let svc = CheckpointService::open(config("725-abort", None)).unwrap();
     let conv = seq(12_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
@@ -135,7 +135,7 @@ fn service_725_waiter_writes_pages_the_first_writer_aborts() {
 }
 
 #[test]
-fn service_725_pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter() {
+fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter() {
     let svc = CheckpointService::open(config("725-mixed", None)).unwrap();
     let conv = seq(13_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
@@ -281,8 +281,8 @@ fn store_concurrently(
 }
 
 #[test]
-fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
-    let seed = std::env::var("LMRC_725_SEED")
+fn concurrent_overlapping_stores_never_lose_a_generation() {
+    let seed = std::env::var("LMRC_OVERLAP_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
@@ -292,7 +292,7 @@ fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
                 .as_nanos() as u64
                 | 1
         });
-    println!("service_725 stress seed {seed} (set LMRC_725_SEED to replay)");
+    println!("overlapping stores: stress seed {seed} (set LMRC_OVERLAP_SEED to replay)");
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let cfg = ServiceConfig {
@@ -418,7 +418,7 @@ fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
         .filter(|a| a.suppressed)
         .count();
     println!(
-        "service_725: {} generations published, {failed} failed closed after an injected \
+        "overlapping stores: {} generations published, {failed} failed closed after an injected \
          rank failure, {suppressed} replays suppressed, {} busy answers, {} concurrent restores",
         published.len(),
         stat(&svc, "admission_busy"),
