@@ -17,6 +17,7 @@ __all__ = [
     "CorruptData",
     "DatabaseError",
     "DeviceError",
+    "ForkedProcess",
     "GenerationConflict",
     "InternalError",
     "InvalidInput",
@@ -120,4 +121,13 @@ class UnsafeCopy(CheckpointError):
 class DeviceError(CheckpointError):
     """The accelerator or its driver is missing or failed (e.g. no CUDA driver
     library on this host). The CPU backend stays usable.
+    """
+
+
+class ForkedProcess(CheckpointError, RuntimeError):
+    """An object that runs native threads (a client, server, service, transfer
+    engine or directory) was used in a child process after ``fork()``: its
+    threads and locks stayed in the parent, so the call would deadlock.
+    Create a new object in the child, or start children with the "spawn"
+    method.
     """

@@ -75,6 +75,10 @@ pub enum Error {
     /// The accelerator or its driver failed or is missing (e.g. no CUDA driver).
     #[error("{0}")]
     Device(String),
+    /// An object that owns native threads was used in a process forked from
+    /// the one that created it (its threads and locks stayed in the parent).
+    #[error("{0}")]
+    Forked(String),
     /// An error the server replied with over RPC: its kind and message as sent.
     #[error("{message}")]
     Remote {
@@ -106,6 +110,7 @@ impl Error {
             Error::Internal(_) => ErrorKind::Internal,
             Error::UnsafeCopy(_) => ErrorKind::UnsafeCopy,
             Error::Device(_) => ErrorKind::Device,
+            Error::Forked(_) => ErrorKind::Forked,
             Error::Remote { kind, .. } => *kind,
         }
     }
@@ -303,6 +308,15 @@ error_kinds! {
         doc: "The accelerator or its driver is missing or failed (e.g. no CUDA driver\n\
               library on this host). The CPU backend stays usable.",
     },
+    Forked {
+        exception: "ForkedProcess",
+        bases: ["CheckpointError", "RuntimeError"],
+        doc: "An object that runs native threads (a client, server, service, transfer\n\
+              engine or directory) was used in a child process after ``fork()``: its\n\
+              threads and locks stayed in the parent, so the call would deadlock.\n\
+              Create a new object in the child, or start children with the \"spawn\"\n\
+              method.",
+    },
 }
 
 impl ErrorKind {
@@ -330,6 +344,7 @@ mod tests {
         "LookupError",
         "ConnectionError",
         "TimeoutError",
+        "RuntimeError",
     ];
 
     #[test]

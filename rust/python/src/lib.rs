@@ -7,6 +7,7 @@ mod config;
 mod convert;
 mod directory;
 mod errors;
+mod fork;
 mod identity;
 mod protocol;
 mod rpc;

@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple, PyType};
 
 use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::fork::Owned;
 use crate::identity::{PyManifest, PyPrefix};
 
 /// A protocol result as a Python object.
@@ -129,7 +130,7 @@ pub(crate) fn start<T: ToPython + Send + 'static>(
     op: impl FnOnce() -> Pending<T> + Send,
 ) -> PyFuture {
     PyFuture {
-        pending: Box::new(py.detach(op)),
+        pending: Owned::new("Future", Box::new(py.detach(op))),
     }
 }
 
@@ -142,7 +143,8 @@ pub(crate) fn roots_of(roots: &Bound<'_, PyAny>) -> PyResult<Vec<Prefix>> {
 }
 
 /// Defines the protocol methods of a Python class wrapping a
-/// `Checkpoints + CheckpointsAsync` implementation returned by `self.$api()`,
+/// `Checkpoints + CheckpointsAsync` implementation returned by `self.$api()`
+/// (a `PyResult`: it raises `ForkedProcess` in a forked child),
 /// followed by the class's own methods (one `#[pymethods]` block per class).
 /// Callers import `Checkpoints` and `CheckpointsAsync`.
 macro_rules! checkpoint_pymethods {
@@ -151,19 +153,19 @@ macro_rules! checkpoint_pymethods {
         impl $class {
             /// format_version, protocol_version, shm_name, pool_size, durable_index.
             fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || Checkpoints::capabilities(api))
             }
             /// `capabilities` without waiting.
-            fn capabilities_async(&self, py: Python<'_>) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.capabilities_async())
+            fn capabilities_async(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.capabilities_async()))
             }
 
             /// The longest listed generation matching the roots (a candidate).
             fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
                 let roots = $crate::protocol::roots_of(roots)?;
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.find(&roots))
             }
             /// `find` without waiting.
@@ -173,31 +175,31 @@ macro_rules! checkpoint_pymethods {
                 roots: &Bound<'_, PyAny>,
             ) -> PyResult<$crate::protocol::PyFuture> {
                 let roots = $crate::protocol::roots_of(roots)?;
-                let api = self.$api();
+                let api = self.$api()?;
                 Ok($crate::protocol::start(py, || api.find_async(&roots)))
             }
 
             /// Stages a generation; False = duplicate, no pending capacity,
             /// or the server is shutting down.
             fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.begin(&manifest.inner))
             }
             /// `begin` without waiting.
-            fn begin_async(&self, py: Python<'_>, manifest: &PyManifest) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.begin_async(&manifest.inner))
+            fn begin_async(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.begin_async(&manifest.inner)))
             }
 
             /// Aborts a pending generation.
             fn abort(&self, py: Python<'_>, generation: &str) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.abort(generation))
             }
             /// `abort` without waiting.
-            fn abort_async(&self, py: Python<'_>, generation: &str) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.abort_async(generation))
+            fn abort_async(&self, py: Python<'_>, generation: &str) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.abort_async(generation)))
             }
 
             /// Leases slots for one rank's pages: status ready | busy | miss.
@@ -207,7 +209,7 @@ macro_rules! checkpoint_pymethods {
                 manifest: &PyManifest,
                 rank: u32,
             ) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.prepare_store(&manifest.inner, rank))
             }
             /// `prepare_store` without waiting.
@@ -216,9 +218,9 @@ macro_rules! checkpoint_pymethods {
                 py: Python<'_>,
                 manifest: &PyManifest,
                 rank: u32,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.prepare_store_async(&manifest.inner, rank))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.prepare_store_async(&manifest.inner, rank)))
             }
 
             /// Ends a store lease; True only for the call that published.
@@ -231,7 +233,7 @@ macro_rules! checkpoint_pymethods {
                 success: bool,
                 rank: Option<u32>,
             ) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.finish_store(lease_id, success, rank))
             }
             /// `finish_store` without waiting.
@@ -242,9 +244,9 @@ macro_rules! checkpoint_pymethods {
                 lease_id: &str,
                 success: bool,
                 rank: Option<u32>,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.finish_store_async(lease_id, success, rank))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.finish_store_async(lease_id, success, rank)))
             }
 
             /// Starts a retrieve: status pending | miss.
@@ -254,7 +256,7 @@ macro_rules! checkpoint_pymethods {
                 manifest: &PyManifest,
                 rank: u32,
             ) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.begin_retrieve(&manifest.inner, rank))
             }
             /// `begin_retrieve` without waiting.
@@ -263,9 +265,9 @@ macro_rules! checkpoint_pymethods {
                 py: Python<'_>,
                 manifest: &PyManifest,
                 rank: u32,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.begin_retrieve_async(&manifest.inner, rank))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.begin_retrieve_async(&manifest.inner, rank)))
             }
 
             /// Polls a retrieve: pending | ready | miss.
@@ -276,7 +278,7 @@ macro_rules! checkpoint_pymethods {
                 lease_id: &str,
                 rank: Option<u32>,
             ) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.poll_retrieve(lease_id, rank))
             }
             /// `poll_retrieve` without waiting.
@@ -286,9 +288,9 @@ macro_rules! checkpoint_pymethods {
                 py: Python<'_>,
                 lease_id: &str,
                 rank: Option<u32>,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.poll_retrieve_async(lease_id, rank))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.poll_retrieve_async(lease_id, rank)))
             }
 
             /// Ends an exposed retrieve lease after the copy drained.
@@ -299,7 +301,7 @@ macro_rules! checkpoint_pymethods {
                 lease_id: &str,
                 rank: Option<u32>,
             ) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.finish_retrieve(lease_id, rank))
             }
             /// `finish_retrieve` without waiting.
@@ -309,9 +311,9 @@ macro_rules! checkpoint_pymethods {
                 py: Python<'_>,
                 lease_id: &str,
                 rank: Option<u32>,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.finish_retrieve_async(lease_id, rank))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.finish_retrieve_async(lease_id, rank)))
             }
 
             /// Cancels a retrieve that exposed nothing; never invalidates.
@@ -322,7 +324,7 @@ macro_rules! checkpoint_pymethods {
                 lease_id: &str,
                 rank: Option<u32>,
             ) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.cancel_retrieve(lease_id, rank))
             }
             /// `cancel_retrieve` without waiting.
@@ -332,28 +334,28 @@ macro_rules! checkpoint_pymethods {
                 py: Python<'_>,
                 lease_id: &str,
                 rank: Option<u32>,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.cancel_retrieve_async(lease_id, rank))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.cancel_retrieve_async(lease_id, rank)))
             }
 
             /// Counters and gauges (over RPC: plus the RPC layer's); every
             /// value an integer, `misses` a map reason -> count.
             fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.status())
             }
             /// `status` without waiting.
-            fn status_async(&self, py: Python<'_>) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.status_async())
+            fn status_async(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.status_async()))
             }
 
             /// Drops L1 copies (and L2 files with all_tiers); `force` is
             /// refused with LeasesLive while leases are live.
             #[pyo3(signature = (force = false, all_tiers = false))]
             fn clear(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.clear(force, all_tiers))
             }
             /// `clear` without waiting.
@@ -363,21 +365,21 @@ macro_rules! checkpoint_pymethods {
                 py: Python<'_>,
                 force: bool,
                 all_tiers: bool,
-            ) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.clear_async(force, all_tiers))
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.clear_async(force, all_tiers)))
             }
 
             /// Every listed generation: generation, num_tokens, world_size,
             /// payload_bytes, durable, access_order.
             fn list_generations(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                let api = self.$api();
+                let api = self.$api()?;
                 $crate::protocol::call(py, || api.list_generations())
             }
             /// `list_generations` without waiting.
-            fn list_generations_async(&self, py: Python<'_>) -> $crate::protocol::PyFuture {
-                let api = self.$api();
-                $crate::protocol::start(py, || api.list_generations_async())
+            fn list_generations_async(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.list_generations_async()))
             }
 
             $($own)*
@@ -468,7 +470,8 @@ impl<T: ToPython + Send + 'static> AnyPending for Pending<T> {
 /// The pending result of an `*_async` call (`Future[T]` in the stubs).
 #[pyclass(name = "Future", module = "lmcache_rc._native", frozen)]
 pub struct PyFuture {
-    pending: Box<dyn AnyPending>,
+    /// Resolved by the client's reader thread (usable only in this process).
+    pending: Owned<Box<dyn AnyPending>>,
 }
 
 #[pymethods]
@@ -480,8 +483,8 @@ impl PyFuture {
     }
 
     /// Whether the reply (or the failure) is in.
-    fn done(&self) -> bool {
-        self.pending.is_done()
+    fn done(&self) -> PyResult<bool> {
+        Ok(self.pending.get()?.is_done())
     }
 
     /// Waits up to `timeout` seconds (None = until done) and returns the
@@ -489,6 +492,7 @@ impl PyFuture {
     /// pending) if the reply did not come in time. Ctrl-C interrupts a wait.
     #[pyo3(signature = (timeout = None))]
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let pending = self.pending.get()?;
         let deadline = match timeout {
             Some(t) if !(t.is_finite() && t >= 0.0) => {
                 return Err(invalid("timeout must be a non-negative number of seconds"));
@@ -501,14 +505,14 @@ impl PyFuture {
                 d.saturating_duration_since(Instant::now())
                     .min(Duration::from_millis(100))
             });
-            match self.pending.wait_py(py, slice) {
+            match pending.wait_py(py, slice) {
                 Ok(converted) => return converted,
-                Err(e) if e.kind() == ErrorKind::Timeout && !self.pending.is_done() => {
+                Err(e) if e.kind() == ErrorKind::Timeout && !pending.is_done() => {
                     py.check_signals()?;
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Err(to_pyerr(Error::Timeout(format!(
                             "no reply to {} within {} s",
-                            self.pending.operation(),
+                            pending.operation(),
                             timeout.unwrap_or_default()
                         ))));
                     }
@@ -519,14 +523,13 @@ impl PyFuture {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Future({}, done={})",
-            self.pending.operation(),
-            if self.pending.is_done() {
-                "True"
-            } else {
-                "False"
-            }
-        )
+        match self.pending.local() {
+            Some(p) => format!(
+                "Future({}, done={})",
+                p.operation(),
+                if p.is_done() { "True" } else { "False" }
+            ),
+            None => "Future(a forked child's copy: unusable)".to_string(),
+        }
     }
 }

@@ -19,6 +19,7 @@ use std::ffi::c_int;
 
 use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::fork::Owned;
 use crate::identity::PyManifest;
 use crate::protocol::{PyLease, ToPython, checkpoint_pymethods};
 use crate::service::fill_byte_buffer;
@@ -43,26 +44,34 @@ fn duration(value: f64, name: &str) -> PyResult<Duration> {
 /// reconnects.
 #[pyclass(name = "Client", module = "lmcache_rc._native", frozen)]
 pub struct PyClient {
-    inner: Arc<Client>,
+    inner: Owned<ClientParts>,
+    socket: String,
+}
+
+/// What a `Client` owns: the connection (its reader thread) and its
+/// mapping of the pool.
+struct ClientParts {
+    client: Client,
     pool: Mutex<Option<Arc<ShmPool>>>,
 }
 
 impl PyClient {
-    /// The client the protocol methods call.
-    fn api(&self) -> &Client {
-        &self.inner
+    /// The client the protocol methods call (not in a forked child).
+    fn api(&self) -> PyResult<&Client> {
+        Ok(&self.inner.get()?.client)
     }
 
     /// The pool mapped by the name and size the server announces; mapped
     /// again when the server replaced it (a restart).
     fn pool(&self, py: Python<'_>) -> PyResult<Arc<ShmPool>> {
-        if let Some(p) = lock(&self.pool).as_ref() {
+        let parts = self.inner.get()?;
+        if let Some(p) = lock(&parts.pool).as_ref() {
             if p.is_current() {
                 return Ok(p.clone());
             }
         }
         // No lock is held while waiting without the GIL.
-        let client = &self.inner;
+        let client = &parts.client;
         let pool = py
             .detach(|| {
                 let caps = client.capabilities()?;
@@ -70,7 +79,7 @@ impl PyClient {
             })
             .py()?;
         let pool = Arc::new(pool);
-        *lock(&self.pool) = Some(pool.clone());
+        *lock(&parts.pool) = Some(pool.clone());
         Ok(pool)
     }
 }
@@ -93,29 +102,36 @@ checkpoint_pymethods!(PyClient, api, {
             .detach(|| Client::connect_with(&socket_path, config))
             .py()?;
         Ok(PyClient {
-            inner: Arc::new(client),
-            pool: Mutex::new(None),
+            socket: client.socket_path().display().to_string(),
+            inner: Owned::new(
+                "Client",
+                ClientParts {
+                    client,
+                    pool: Mutex::new(None),
+                },
+            ),
         })
     }
 
     /// The socket this client talks to.
     #[getter]
     fn socket_path(&self) -> String {
-        self.inner.socket_path().display().to_string()
+        self.socket.clone()
     }
 
     /// Whether a live connection is open now.
     #[getter]
-    fn connected(&self) -> bool {
-        self.inner.is_connected()
+    fn connected(&self) -> PyResult<bool> {
+        Ok(self.api()?.is_connected())
     }
 
     /// Closes the connection (later calls raise `Closed`). Leases obtained
     /// through this client stay live on the server until finished.
-    fn close(&self, py: Python<'_>) {
-        let client = &self.inner;
-        py.detach(|| client.close());
-        *lock(&self.pool) = None;
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let parts = self.inner.get()?;
+        py.detach(|| parts.client.close());
+        *lock(&parts.pool) = None;
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -123,9 +139,9 @@ checkpoint_pymethods!(PyClient, api, {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close(py);
-        false
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
     }
 
     /// A writable zero-copy uint8 numpy array over `length` bytes of the SHM
@@ -162,14 +178,14 @@ checkpoint_pymethods!(PyClient, api, {
     }
 
     fn __repr__(&self) -> String {
+        let connected = match self.inner.local() {
+            Some(parts) if parts.client.is_connected() => "True",
+            Some(_) => "False",
+            None => "False (a forked child's copy)",
+        };
         format!(
-            "Client(socket_path={:?}, connected={})",
-            self.inner.socket_path().display().to_string(),
-            if self.inner.is_connected() {
-                "True"
-            } else {
-                "False"
-            }
+            "Client(socket_path={:?}, connected={connected})",
+            self.socket
         )
     }
 });
@@ -241,21 +257,30 @@ impl MappedSlotView {
 /// demo`): the same RPC server over a Unix socket, on background threads.
 #[pyclass(name = "Server", module = "lmcache_rc._native", frozen)]
 pub struct PyServer {
-    /// Taken (and dropped, which unlinks the pool) by `stop`.
-    inner: Mutex<Option<Arc<rpc::Server>>>,
+    inner: Owned<ServerParts>,
     socket: String,
     drain: Duration,
+    http_url: Option<String>,
+}
+
+/// What a `Server` owns: its threads (the RPC server, the HTTP admin API).
+struct ServerParts {
+    /// Taken (and dropped, which unlinks the pool) by `stop`.
+    server: Mutex<Option<Arc<rpc::Server>>>,
     stopped: Mutex<Option<rpc::ShutdownReport>>,
     /// The HTTP admin API (None when http_port is negative).
     http: Mutex<Option<lmcache_rc_core::http::HttpAdmin>>,
-    http_url: Option<String>,
 }
 
 impl Drop for PyServer {
     fn drop(&mut self) {
         // A server never stopped stops now, without draining. Its threads
-        // may log (which needs the GIL), so wait for them without it.
-        let taken = lock(&self.inner).take();
+        // may log (which needs the GIL), so wait for them without it. In a
+        // forked child there is nothing to stop (see `fork`).
+        let Some(parts) = self.inner.local() else {
+            return;
+        };
+        let taken = lock(&parts.server).take();
         if let Some(server) = taken {
             Python::attach(|py| py.detach(move || drop(server)));
         }
@@ -264,7 +289,7 @@ impl Drop for PyServer {
 
 impl PyServer {
     fn running(&self) -> PyResult<Arc<rpc::Server>> {
-        lock(&self.inner)
+        lock(&self.inner.get()?.server)
             .clone()
             .ok_or_else(|| to_pyerr(Error::Closed("lmcache-rc server")))
     }
@@ -305,11 +330,16 @@ impl PyServer {
         };
         Ok(PyServer {
             socket: server.socket_path().display().to_string(),
-            inner: Mutex::new(Some(Arc::new(server))),
             drain,
-            stopped: Mutex::new(None),
             http_url: http.as_ref().map(|h| h.url()),
-            http: Mutex::new(http),
+            inner: Owned::new(
+                "Server",
+                ServerParts {
+                    server: Mutex::new(Some(Arc::new(server))),
+                    stopped: Mutex::new(None),
+                    http: Mutex::new(http),
+                },
+            ),
         })
     }
 
@@ -346,10 +376,11 @@ impl PyServer {
             Some(t) => Duration::from_secs_f64(t.min(1e9)),
             None => self.drain,
         };
-        if let Some(mut http) = lock(&self.http).take() {
+        let parts = self.inner.get()?;
+        if let Some(mut http) = lock(&parts.http).take() {
             py.detach(|| http.stop());
         }
-        let taken = lock(&self.inner).take();
+        let taken = lock(&parts.server).take();
         let report = match taken {
             Some(server) => {
                 let report = py.detach(|| {
@@ -359,10 +390,10 @@ impl PyServer {
                     report
                 });
                 let report = report.py()?;
-                *lock(&self.stopped) = Some(report.clone());
+                *lock(&parts.stopped) = Some(report.clone());
                 report
             }
-            None => lock(&self.stopped).clone().unwrap_or_default(),
+            None => lock(&parts.stopped).clone().unwrap_or_default(),
         };
         let d = PyDict::new(py);
         d.set_item("drained", report.drained)?;
@@ -373,8 +404,8 @@ impl PyServer {
 
     /// Whether `stop` ran.
     #[getter]
-    fn stopped(&self) -> bool {
-        lock(&self.inner).is_none()
+    fn stopped(&self) -> PyResult<bool> {
+        Ok(lock(&self.inner.get()?.server).is_none())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -388,10 +419,11 @@ impl PyServer {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Server(socket_path={:?}, stopped={})",
-            self.socket,
-            if self.stopped() { "True" } else { "False" }
-        )
+        let stopped = match self.inner.local() {
+            Some(parts) if lock(&parts.server).is_none() => "True",
+            Some(_) => "False",
+            None => "False (a forked child's copy)",
+        };
+        format!("Server(socket_path={:?}, stopped={stopped})", self.socket)
     }
 }

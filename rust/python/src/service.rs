@@ -15,6 +15,7 @@ use pyo3::types::PyList;
 
 use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid};
+use crate::fork::Owned;
 use crate::identity::PyManifest;
 pub(crate) use crate::protocol::capabilities_dict;
 use crate::protocol::{PyLease, checkpoint_pymethods};
@@ -23,13 +24,13 @@ use crate::protocol::{PyLease, checkpoint_pymethods};
 /// embedded server). Same methods as `lmcache_rc.Client`.
 #[pyclass(name = "CheckpointService", module = "lmcache_rc._native", frozen)]
 pub struct PyCheckpointService {
-    inner: CheckpointService,
+    inner: Owned<CheckpointService>,
 }
 
 impl PyCheckpointService {
-    /// The service the protocol methods call.
-    fn api(&self) -> &CheckpointService {
-        &self.inner
+    /// The service the protocol methods call (not in a forked child).
+    fn api(&self) -> PyResult<&CheckpointService> {
+        self.inner.get()
     }
 }
 
@@ -39,19 +40,23 @@ checkpoint_pymethods!(PyCheckpointService, api, {
     fn new(py: Python<'_>, config: &PyServerConfig) -> PyResult<Self> {
         let config = config.inner.service_config().py()?;
         let inner = py.detach(|| CheckpointService::open(config)).py()?;
-        Ok(PyCheckpointService { inner })
+        Ok(PyCheckpointService {
+            inner: Owned::new("CheckpointService", inner),
+        })
     }
 
     /// Closes the service; raises LeasesLive while copies hold leases.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.close()).py()
+        let service = self.api()?;
+        py.detach(|| service.close()).py()
     }
 
     /// Waits until every queued L2 write finished (True) or the timeout passed.
     #[pyo3(signature = (timeout = 30.0))]
     fn wait_l2_idle(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         let timeout = Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
-        Ok(py.detach(|| self.inner.wait_l2_idle(timeout)))
+        let service = self.api()?;
+        Ok(py.detach(|| service.wait_l2_idle(timeout)))
     }
 
     /// A writable zero-copy uint8 numpy array over `length` bytes of the SHM
@@ -62,7 +67,7 @@ checkpoint_pymethods!(PyCheckpointService, api, {
         length: u64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let pool = slf.get().inner.pool();
+        let pool = slf.get().api()?.pool();
         let end = offset.checked_add(length);
         if length == 0 || end.is_none_or(|e| e > pool.size()) {
             return Err(invalid(format!(
@@ -122,7 +127,13 @@ impl SlotView {
             return Err(PyBufferError::new_err("null Py_buffer"));
         }
         let me = slf.get();
-        let pool = me.owner.get().inner.pool();
+        let pool = me
+            .owner
+            .get()
+            .inner
+            .local()
+            .ok_or_else(|| PyBufferError::new_err("the service belongs to another process"))?
+            .pool();
         let len =
             isize::try_from(me.length).map_err(|_| PyBufferError::new_err("slot too large"))?;
         // SAFETY: bounds were checked in slot_array; the pool mapping lives as
