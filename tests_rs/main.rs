@@ -1,6 +1,7 @@
 //! The one integration-test binary of `lmcache-rc-core` (wired up in
 //! `rust/core/Cargo.toml`). Each module tests one area through the crate's
-//! public API; names follow the rule they check.
+//! public API; names follow the rule they check. Service scenarios run both
+//! in process and over the socket (`service_common::Target`).
 // Tests report failures by panicking.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 

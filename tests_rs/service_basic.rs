@@ -1,14 +1,25 @@
 //! Basic store → publish → find → retrieve round trips through the service.
 
 use lmcache_rc_core::TokenRoots;
-use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
 
 #[test]
-fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact() {
-    let svc = CheckpointService::open(config("basic", None)).unwrap();
+fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact_in_process() {
+    four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact_over_the_socket()
+{
+    four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact::<Remote>();
+}
+
+fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact<T: Target>() {
+    let svc = T::open(config("basic", None)).unwrap();
     let tokens: Vec<u32> = (0..100).collect();
     let m = manifest(&tokens, 4, 8192, 16);
     assert!(svc.begin(&m).unwrap());
@@ -32,8 +43,18 @@ fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exa
 }
 
 #[test]
-fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages() {
-    let svc = CheckpointService::open(config("replay", None)).unwrap();
+fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages_in_process() {
+    exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages::<CheckpointService>(
+    );
+}
+
+#[test]
+fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages_over_the_socket() {
+    exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages::<Remote>();
+}
+
+fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages<T: Target>() {
+    let svc = T::open(config("replay", None)).unwrap();
     let tokens: Vec<u32> = (0..64).collect();
     let m = manifest(&tokens, 2, 4096, 16);
     assert!(svc.begin(&m).unwrap());

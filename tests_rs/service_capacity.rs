@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::protocol::{Checkpoints, MissReason};
+use lmcache_rc_core::protocol::MissReason;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
@@ -33,8 +33,25 @@ fn small(base: u32) -> Manifest {
 }
 
 #[test]
-fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages() {
-    let svc = CheckpointService::open(config("cap-full", None)).unwrap();
+fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages_in_process()
+ {
+    store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages_over_the_socket()
+ {
+    store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages::<
+        Remote,
+    >();
+}
+
+fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages<
+    T: Target,
+>() {
+    let svc = T::open(config("cap-full", None)).unwrap();
     let filler = pool_filler(40_000);
     store_all(&svc, &filler);
     let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
@@ -74,13 +91,22 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
 }
 
 #[test]
-fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait_in_process() {
+    store_admission_succeeds_once_a_lease_releases_space_during_its_wait::<CheckpointService>();
+}
+
+#[test]
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait_over_the_socket() {
+    store_admission_succeeds_once_a_lease_releases_space_during_its_wait::<Remote>();
+}
+
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         store_admission_timeout: HANG_GUARD,
         ..config("cap-wait", Some(dir.path()))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let filler = pool_filler(42_000);
     store_all(&svc, &filler);
     settle(&svc);
@@ -114,13 +140,23 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
 }
 
 #[test]
-fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed_in_process() {
+    a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed::<CheckpointService>(
+    );
+}
+
+#[test]
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed_over_the_socket() {
+    a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed::<Remote>();
+}
+
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         retrieve_timeout: Duration::from_millis(300),
         ..config("cap-restore", Some(dir.path()))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let on_disk = small(44_000);
     store_all(&svc, &on_disk);
     settle(&svc);
@@ -143,7 +179,19 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
 }
 
 #[test]
-fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity() {
+fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity_in_process() {
+    a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity_over_the_socket()
+{
+    a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity::<Remote>();
+}
+
+fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(46_000, 48), "prompt", 2);
@@ -155,7 +203,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
         checkpoint_index_path: Some(dir.path().join("index.sqlite")),
         ..config("cap-l2", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg.clone()).unwrap();
+    let svc = T::open(cfg.clone()).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert_eq!(l2_files(&l2), expected_l2([&a]));
@@ -175,7 +223,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     assert_idle(&svc);
     svc.close().unwrap();
     drop(svc);
-    let svc = CheckpointService::open(ServiceConfig {
+    let svc = T::open(ServiceConfig {
         shm_name: shm_name("cap-l2-reopen"),
         ..cfg
     })
@@ -186,7 +234,16 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
 }
 
 #[test]
-fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable() {
+fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable_in_process() {
+    a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable::<CheckpointService>();
+}
+
+#[test]
+fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable_over_the_socket() {
+    a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable::<Remote>();
+}
+
+fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(48_000, 48), "prompt", 2);
@@ -195,7 +252,7 @@ fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable() {
         l2_bytes: Some(one_generation / 2),
         ..config("cap-l2-small", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert!(is_listed(&svc, &a), "published from RAM");

@@ -6,14 +6,25 @@
 //! live and otherwise drops everything.
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
 
 #[test]
-fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations() {
-    let svc = CheckpointService::open(config("clr-l1", None)).unwrap();
+fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations_in_process() {
+    nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations_over_the_socket()
+{
+    nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations::<Remote>();
+}
+
+fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations<T: Target>() {
+    let svc = T::open(config("clr-l1", None)).unwrap();
     let read = standard(NS, &seq(50_000, 48), "prompt", 2);
     let unleased = standard(NS, &seq(51_000, 48), "prompt", 2);
     let pending = standard(NS, &seq(52_000, 48), "prompt", 2);
@@ -60,9 +71,18 @@ fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generatio
 }
 
 #[test]
-fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them() {
+fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them_in_process() {
+    nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them::<CheckpointService>();
+}
+
+#[test]
+fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them_over_the_socket() {
+    nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them::<Remote>();
+}
+
+fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("clr-l2", Some(dir.path()))).unwrap();
+    let svc = T::open(config("clr-l2", Some(dir.path()))).unwrap();
     let m = standard(NS, &seq(53_000, 48), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -85,10 +105,19 @@ fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them() {
 }
 
 #[test]
-fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed() {
+fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed_in_process() {
+    clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed::<CheckpointService>();
+}
+
+#[test]
+fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed_over_the_socket() {
+    clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed::<Remote>();
+}
+
+fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("clr-all", Some(&l2))).unwrap();
+    let svc = T::open(config("clr-all", Some(&l2))).unwrap();
     let a = standard(NS, &seq(54_000, 48), "prompt", 2);
     let b = standard(NS, &seq(55_000, 48), "prompt", 2);
     store_all(&svc, &a);
@@ -115,10 +144,22 @@ fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed() {
 }
 
 #[test]
-fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything() {
+fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything_in_process() {
+    forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything_over_the_socket()
+{
+    forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything::<Remote>();
+}
+
+fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("clr-force", Some(&l2))).unwrap();
+    let svc = T::open(config("clr-force", Some(&l2))).unwrap();
     let durable = standard(NS, &seq(56_000, 48), "prompt", 2);
     store_all(&svc, &durable);
     settle(&svc);

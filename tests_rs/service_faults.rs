@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
@@ -19,8 +18,17 @@ fn tokens() -> Vec<u32> {
 }
 
 #[test]
-fn a_rank_reporting_failure_after_the_others_committed_prevents_publication() {
-    let svc = CheckpointService::open(config("f-lastrank", None)).unwrap();
+fn a_rank_reporting_failure_after_the_others_committed_prevents_publication_in_process() {
+    a_rank_reporting_failure_after_the_others_committed_prevents_publication::<CheckpointService>();
+}
+
+#[test]
+fn a_rank_reporting_failure_after_the_others_committed_prevents_publication_over_the_socket() {
+    a_rank_reporting_failure_after_the_others_committed_prevents_publication::<Remote>();
+}
+
+fn a_rank_reporting_failure_after_the_others_committed_prevents_publication<T: Target>() {
+    let svc = T::open(config("f-lastrank", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     for rank in 0..3 {
@@ -49,8 +57,17 @@ fn a_rank_reporting_failure_after_the_others_committed_prevents_publication() {
 }
 
 #[test]
-fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
-    let svc = CheckpointService::open(config("f-restage", None)).unwrap();
+fn an_aborted_generation_is_staged_again_only_after_its_leases_drain_in_process() {
+    an_aborted_generation_is_staged_again_only_after_its_leases_drain::<CheckpointService>();
+}
+
+#[test]
+fn an_aborted_generation_is_staged_again_only_after_its_leases_drain_over_the_socket() {
+    an_aborted_generation_is_staged_again_only_after_its_leases_drain::<Remote>();
+}
+
+fn an_aborted_generation_is_staged_again_only_after_its_leases_drain<T: Target>() {
+    let svc = T::open(config("f-restage", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     let leases: Vec<_> = (0..4).map(|rank| prepare(&svc, &m, rank)).collect();
@@ -79,8 +96,17 @@ fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
 }
 
 #[test]
-fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does() {
-    let svc = CheckpointService::open(config("f-hung", None)).unwrap();
+fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does_in_process() {
+    a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does::<CheckpointService>();
+}
+
+#[test]
+fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does_over_the_socket() {
+    a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does::<Remote>();
+}
+
+fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does<T: Target>() {
+    let svc = T::open(config("f-hung", None)).unwrap();
     let listed = standard(NS, &seq(32_000, 40), "prompt", 2);
     store_all(&svc, &listed);
     let m = standard(NS, &tokens(), "prompt", 2);
@@ -120,12 +146,21 @@ fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does() {
 }
 
 #[test]
-fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
+fn abandoned_unfinished_write_pages_are_rewritten_not_reused_in_process() {
+    abandoned_unfinished_write_pages_are_rewritten_not_reused::<CheckpointService>();
+}
+
+#[test]
+fn abandoned_unfinished_write_pages_are_rewritten_not_reused_over_the_socket() {
+    abandoned_unfinished_write_pages_are_rewritten_not_reused::<Remote>();
+}
+
+fn abandoned_unfinished_write_pages_are_rewritten_not_reused<T: Target>() {
     let cfg = ServiceConfig {
         abandoned_after: Some(Duration::from_millis(50)),
         ..config("f-abandoned", None)
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let abandoned = standard(NS, &tokens(), "instruction", 2);
     assert!(svc.begin(&abandoned).unwrap());
     let hung = prepare(&svc, &abandoned, 0);
@@ -165,11 +200,20 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
 }
 
 #[test]
-fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable() {
+fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable_in_process() {
+    l2_write_errors_leave_the_generation_published_from_l1_but_not_durable::<CheckpointService>();
+}
+
+#[test]
+fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable_over_the_socket() {
+    l2_write_errors_leave_the_generation_published_from_l1_but_not_durable::<Remote>();
+}
+
+fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-l2write", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},
@@ -209,11 +253,20 @@ fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable() {
 }
 
 #[test]
-fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1() {
+fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1_in_process() {
+    a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1::<CheckpointService>();
+}
+
+#[test]
+fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1_over_the_socket() {
+    a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1::<Remote>();
+}
+
+fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-fsync", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},
@@ -240,10 +293,19 @@ fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1() {
 }
 
 #[test]
-fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation() {
+fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation_in_process() {
+    a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation::<CheckpointService>();
+}
+
+#[test]
+fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation_over_the_socket() {
+    a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation::<Remote>();
+}
+
+fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("f-corrupt", Some(&l2))).unwrap();
+    let svc = T::open(config("f-corrupt", Some(&l2))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     let other = standard(NS, &seq(35_000, 40), "prompt", 2);
     store_all(&svc, &m);
@@ -278,11 +340,20 @@ fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation() {
 }
 
 #[test]
-fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum() {
+fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum_in_process() {
+    a_byte_flipped_while_reading_l2_is_caught_by_the_checksum::<CheckpointService>();
+}
+
+#[test]
+fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum_over_the_socket() {
+    a_byte_flipped_while_reading_l2_is_caught_by_the_checksum::<Remote>();
+}
+
+fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-flip", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},
@@ -303,11 +374,20 @@ fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum() {
 }
 
 #[test]
-fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed() {
+fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed_in_process() {
+    an_l2_read_error_is_a_miss_that_keeps_the_generation_listed::<CheckpointService>();
+}
+
+#[test]
+fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed_over_the_socket() {
+    an_l2_read_error_is_a_miss_that_keeps_the_generation_listed::<Remote>();
+}
+
+fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-readerr", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},

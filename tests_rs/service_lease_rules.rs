@@ -5,18 +5,27 @@
 //! leases only.
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::protocol::{Checkpoints, MissReason};
+use lmcache_rc_core::protocol::MissReason;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
 
 #[test]
-fn rejected_lease_admission_aborts_only_the_new_generation() {
+fn rejected_lease_admission_aborts_only_the_new_generation_in_process() {
+    rejected_lease_admission_aborts_only_the_new_generation::<CheckpointService>();
+}
+
+#[test]
+fn rejected_lease_admission_aborts_only_the_new_generation_over_the_socket() {
+    rejected_lease_admission_aborts_only_the_new_generation::<Remote>();
+}
+
+fn rejected_lease_admission_aborts_only_the_new_generation<T: Target>() {
     let cfg = ServiceConfig {
         max_leases: 1,
         ..config("acc-budget", None)
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let first = standard(NS, &seq(80_000, 48), "prompt", 2);
     let second = standard(NS, &seq(81_000, 48), "prompt", 2);
     assert!(svc.begin(&first).unwrap());
@@ -43,15 +52,24 @@ fn rejected_lease_admission_aborts_only_the_new_generation() {
 }
 
 #[test]
-fn non_success_prepare_paths_leave_no_phantom_lease_or_pin() {
+fn non_success_prepare_paths_leave_no_phantom_lease_or_pin_in_process() {
+    non_success_prepare_paths_leave_no_phantom_lease_or_pin::<CheckpointService>();
+}
+
+#[test]
+fn non_success_prepare_paths_leave_no_phantom_lease_or_pin_over_the_socket() {
+    non_success_prepare_paths_leave_no_phantom_lease_or_pin::<Remote>();
+}
+
+fn non_success_prepare_paths_leave_no_phantom_lease_or_pin<T: Target>() {
     let cfg = ServiceConfig {
         max_leases: 2,
         ..config("acc-phantom", None)
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let m = standard(NS, &seq(82_000, 48), "prompt", 2);
     let cont = standard(NS, &seq(82_000, 60), "prompt", 2);
-    let counts = |svc: &CheckpointService| (stat(svc, "store_leases"), stat(svc, "pins"));
+    let counts = |svc: &T| (stat(svc, "store_leases"), stat(svc, "pins"));
 
     // Not pending: a miss with no side effect.
     let before = counts(&svc);
@@ -112,8 +130,17 @@ fn non_success_prepare_paths_leave_no_phantom_lease_or_pin() {
 }
 
 #[test]
-fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly() {
-    let svc = CheckpointService::open(config("acc-twice", None)).unwrap();
+fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly_in_process() {
+    finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly::<CheckpointService>();
+}
+
+#[test]
+fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly_over_the_socket() {
+    finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly::<Remote>();
+}
+
+fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly<T: Target>() {
+    let svc = T::open(config("acc-twice", None)).unwrap();
     let m = standard(NS, &seq(83_000, 48), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     for rank in 0..3 {
@@ -166,7 +193,7 @@ fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly() {
     );
     // A lookup that is still pending must be cancelled, not finished.
     let dir = tempfile::tempdir().unwrap();
-    let svc2 = CheckpointService::open(config("acc-pending", Some(dir.path()))).unwrap();
+    let svc2 = T::open(config("acc-pending", Some(dir.path()))).unwrap();
     store_all(&svc2, &m);
     settle(&svc2);
     svc2.clear(false, false).unwrap();
@@ -183,9 +210,18 @@ fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly() {
 }
 
 #[test]
-fn close_waits_for_exposed_leases_only_and_stops_admission() {
+fn close_waits_for_exposed_leases_only_and_stops_admission_in_process() {
+    close_waits_for_exposed_leases_only_and_stops_admission::<CheckpointService>();
+}
+
+#[test]
+fn close_waits_for_exposed_leases_only_and_stops_admission_over_the_socket() {
+    close_waits_for_exposed_leases_only_and_stops_admission::<Remote>();
+}
+
+fn close_waits_for_exposed_leases_only_and_stops_admission<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("acc-close", Some(dir.path()))).unwrap();
+    let svc = T::open(config("acc-close", Some(dir.path()))).unwrap();
     let m = standard(NS, &seq(84_000, 48), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -205,8 +241,17 @@ fn close_waits_for_exposed_leases_only_and_stops_admission() {
 }
 
 #[test]
-fn a_read_lease_survives_the_replacement_of_its_generation() {
-    let svc = CheckpointService::open(config("acc-replace", None)).unwrap();
+fn a_read_lease_survives_the_replacement_of_its_generation_in_process() {
+    a_read_lease_survives_the_replacement_of_its_generation::<CheckpointService>();
+}
+
+#[test]
+fn a_read_lease_survives_the_replacement_of_its_generation_over_the_socket() {
+    a_read_lease_survives_the_replacement_of_its_generation::<Remote>();
+}
+
+fn a_read_lease_survives_the_replacement_of_its_generation<T: Target>() {
+    let svc = T::open(config("acc-replace", None)).unwrap();
     let tokens = seq(85_000, 48);
     let old = standard(NS, &tokens, "prompt", 2);
     store_all(&svc, &old);

@@ -44,7 +44,8 @@ fn boundary(ns: &str, conversation: &[u32], n: usize, kind: &str) -> Manifest {
 
 /// Prepares every rank while another generation holds the shared pages:
 /// each answers busy, and nothing is leased or pinned for it.
-fn assert_all_ranks_busy(svc: &CheckpointService, m: &Manifest) {
+fn assert_all_ranks_busy(svc: &impl AsTarget, m: &Manifest) {
+    let svc = svc.target();
     let (leases, pins) = (stat(svc, "store_leases"), stat(svc, "pins"));
     for rank in 0..4 {
         let lease = svc.prepare_store(m, rank).unwrap();
@@ -55,8 +56,17 @@ fn assert_all_ranks_busy(svc: &CheckpointService, m: &Manifest) {
 }
 
 #[test]
-fn waiter_reuses_pages_the_first_writer_commits() {
-    let svc = CheckpointService::open(config("725-commit", None)).unwrap();
+fn waiter_reuses_pages_the_first_writer_commits_in_process() {
+    waiter_reuses_pages_the_first_writer_commits::<CheckpointService>();
+}
+
+#[test]
+fn waiter_reuses_pages_the_first_writer_commits_over_the_socket() {
+    waiter_reuses_pages_the_first_writer_commits::<Remote>();
+}
+
+fn waiter_reuses_pages_the_first_writer_commits<T: Target>() {
+    let svc = T::open(config("725-commit", None)).unwrap();
     let conv = seq(11_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
     let prompt = boundary(NS, &conv, 150, "prompt");
@@ -92,8 +102,17 @@ fn waiter_reuses_pages_the_first_writer_commits() {
 }
 
 #[test]
-fn waiter_writes_pages_the_first_writer_aborts() {
-    let svc = CheckpointService::open(config("725-abort", None)).unwrap();
+fn waiter_writes_pages_the_first_writer_aborts_in_process() {
+    waiter_writes_pages_the_first_writer_aborts::<CheckpointService>();
+}
+
+#[test]
+fn waiter_writes_pages_the_first_writer_aborts_over_the_socket() {
+    waiter_writes_pages_the_first_writer_aborts::<Remote>();
+}
+
+fn waiter_writes_pages_the_first_writer_aborts<T: Target>() {
+    let svc = T::open(config("725-abort", None)).unwrap();
     let conv = seq(12_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
     let prompt = boundary(NS, &conv, 150, "prompt");
@@ -135,8 +154,17 @@ fn waiter_writes_pages_the_first_writer_aborts() {
 }
 
 #[test]
-fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter() {
-    let svc = CheckpointService::open(config("725-mixed", None)).unwrap();
+fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter_in_process() {
+    pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter::<CheckpointService>();
+}
+
+#[test]
+fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter_over_the_socket() {
+    pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter::<Remote>();
+}
+
+fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter<T: Target>() {
+    let svc = T::open(config("725-mixed", None)).unwrap();
     let conv = seq(13_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
     let prompt = boundary(NS, &conv, 150, "prompt");
@@ -221,11 +249,12 @@ struct Attempt {
 /// random copy times; `fail_rank` finishes as failed. Like the scheduler,
 /// aborts the generation when any rank did not succeed.
 fn store_concurrently(
-    svc: &CheckpointService,
+    svc: &impl AsTarget,
     m: &Manifest,
     seed: u64,
     fail_rank: Option<u32>,
 ) -> Attempt {
+    let svc = svc.target();
     if !svc.begin(m).unwrap() {
         return Attempt {
             suppressed: true,
@@ -281,7 +310,16 @@ fn store_concurrently(
 }
 
 #[test]
-fn concurrent_overlapping_stores_never_lose_a_generation() {
+fn concurrent_overlapping_stores_never_lose_a_generation_in_process() {
+    concurrent_overlapping_stores_never_lose_a_generation::<CheckpointService>();
+}
+
+#[test]
+fn concurrent_overlapping_stores_never_lose_a_generation_over_the_socket() {
+    concurrent_overlapping_stores_never_lose_a_generation::<Remote>();
+}
+
+fn concurrent_overlapping_stores_never_lose_a_generation<T: Target>() {
     let seed = std::env::var("LMRC_OVERLAP_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -301,7 +339,7 @@ fn concurrent_overlapping_stores_never_lose_a_generation() {
         store_admission_timeout: HANG_GUARD,
         ..config("725-stress", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let mut rng = Rng(seed | 1);
 
     // Two conversations; each turn emits instruction, prompt and response

@@ -6,7 +6,6 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 use lmcache_rc_core::store::l2::{DirEntryInfo, Fs, ReadFile, RealFs, WriteFile};
 
@@ -112,11 +111,20 @@ fn two_rank_generation() -> Manifest {
 /// the old file were its durable copy: the delete would remove the new
 /// generation's only disk copy while the service believes it durable.
 #[test]
-fn a_page_stored_again_while_its_l2_delete_runs_stays_durable() {
+fn a_page_stored_again_while_its_l2_delete_runs_stays_durable_in_process() {
+    a_page_stored_again_while_its_l2_delete_runs_stays_durable::<CheckpointService>();
+}
+
+#[test]
+fn a_page_stored_again_while_its_l2_delete_runs_stays_durable_over_the_socket() {
+    a_page_stored_again_while_its_l2_delete_runs_stays_durable::<Remote>();
+}
+
+fn a_page_stored_again_while_its_l2_delete_runs_stays_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let fs = GatedFs::default();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("race-del", Some(&l2)),
         Arc::new(fs.clone()),
         &mut |_| {},

@@ -1,6 +1,7 @@
-//! The reference scenarios of spec §12.1 (`test_checkpoint_storage.py`) that
-//! apply to an in-process service, with the standard manifest (world 4;
-//! 128/256/64/96-byte page groups). Each test is named after the rule it checks.
+//! The reference scenarios of the storage spec (§12.1) with the standard
+//! manifest (world 4; 128/256/64/96-byte page groups). Each scenario is named
+//! after the rule it checks and runs twice: on the service in process and
+//! over the socket (see `service_common::Target`).
 
 use std::collections::HashSet;
 
@@ -15,9 +16,21 @@ fn tokens() -> Vec<u32> {
 }
 
 #[test]
-fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes() {
-    let svc = CheckpointService::open(config("sc-roundtrip", None)).unwrap();
-    let caps = svc.capabilities();
+fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes_in_process() {
+    publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes_over_the_socket()
+{
+    publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes::<Remote>();
+}
+
+fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes<T: Target>() {
+    let svc = T::open(config("sc-roundtrip", None)).unwrap();
+    let caps = svc.capabilities().unwrap();
     assert_eq!(caps.format_version, 1);
     assert_eq!(caps.shm_name, svc.pool().name());
     assert_eq!(caps.pool_size, 4 << 20);
@@ -50,8 +63,17 @@ fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_byte
 }
 
 #[test]
-fn content_addressed_pages_skip_resident_duplicate_copies() {
-    let svc = CheckpointService::open(config("sc-dedup", None)).unwrap();
+fn content_addressed_pages_skip_resident_duplicate_copies_in_process() {
+    content_addressed_pages_skip_resident_duplicate_copies::<CheckpointService>();
+}
+
+#[test]
+fn content_addressed_pages_skip_resident_duplicate_copies_over_the_socket() {
+    content_addressed_pages_skip_resident_duplicate_copies::<Remote>();
+}
+
+fn content_addressed_pages_skip_resident_duplicate_copies<T: Target>() {
+    let svc = T::open(config("sc-dedup", None)).unwrap();
     let first = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &first);
     // A continuation: the three full attention pages (boundaries 16, 32, 48)
@@ -154,18 +176,45 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
 }
 
 #[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits() {
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits_in_process() {
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_commits::<CheckpointService>();
+}
+
+#[test]
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits_over_the_socket() {
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_commits::<Remote>();
+}
+
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits<T: Target>() {
     coalesce_with_inflight_writer(true);
 }
 
 #[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts() {
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts_in_process() {
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts::<CheckpointService>();
+}
+
+#[test]
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts_over_the_socket() {
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts::<Remote>();
+}
+
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts<T: Target>() {
     coalesce_with_inflight_writer(false);
 }
 
 #[test]
-fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
-    let svc = CheckpointService::open(config("sc-copyfail", None)).unwrap();
+fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it_in_process() {
+    a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it::<CheckpointService>();
+}
+
+#[test]
+fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it_over_the_socket() {
+    a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it::<Remote>();
+}
+
+fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it<T: Target>() {
+    let svc = T::open(config("sc-copyfail", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     // Drained failure: the worker finishes the lease as failed.
     assert!(svc.begin(&m).unwrap());
@@ -199,12 +248,21 @@ fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
 }
 
 #[test]
-fn lease_budget_never_recycles_live_copy_buffers() {
+fn lease_budget_never_recycles_live_copy_buffers_in_process() {
+    lease_budget_never_recycles_live_copy_buffers::<CheckpointService>();
+}
+
+#[test]
+fn lease_budget_never_recycles_live_copy_buffers_over_the_socket() {
+    lease_budget_never_recycles_live_copy_buffers::<Remote>();
+}
+
+fn lease_budget_never_recycles_live_copy_buffers<T: Target>() {
     let cfg = lmcache_rc_core::service::ServiceConfig {
         max_leases: 1,
         ..config("sc-budget", None)
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let published = standard(NS, &tokens(), "instruction", 2);
     store_all(&svc, &published);
     let m = standard(NS, &seq(5000, 40), "prompt", 2);
@@ -256,8 +314,25 @@ fn lease_budget_never_recycles_live_copy_buffers() {
 }
 
 #[test]
-fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again() {
-    let svc = CheckpointService::open(config("sc-commitfail", None)).unwrap();
+fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again_in_process()
+ {
+    a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again_over_the_socket()
+ {
+    a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again::<
+        Remote,
+    >();
+}
+
+fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again<
+    T: Target,
+>() {
+    let svc = T::open(config("sc-commitfail", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     store_one(&svc, &m, 0);
@@ -284,8 +359,17 @@ fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_s
 }
 
 #[test]
-fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
-    let svc = CheckpointService::open(config("sc-oversized", None)).unwrap();
+fn payload_capacity_miss_preserves_a_read_leased_checkpoint_in_process() {
+    payload_capacity_miss_preserves_a_read_leased_checkpoint::<CheckpointService>();
+}
+
+#[test]
+fn payload_capacity_miss_preserves_a_read_leased_checkpoint_over_the_socket() {
+    payload_capacity_miss_preserves_a_read_leased_checkpoint::<Remote>();
+}
+
+fn payload_capacity_miss_preserves_a_read_leased_checkpoint<T: Target>() {
+    let svc = T::open(config("sc-oversized", None)).unwrap();
     let pinned = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &pinned);
     let lease = open_read(&svc, &pinned, 0);
@@ -324,9 +408,19 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
 }
 
 #[test]
-fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish() {
+fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish_in_process() {
+    shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish::<CheckpointService>(
+    );
+}
+
+#[test]
+fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish_over_the_socket() {
+    shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish::<Remote>();
+}
+
+fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("sc-readlease", Some(dir.path()))).unwrap();
+    let svc = T::open(config("sc-readlease", Some(dir.path()))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -405,18 +499,45 @@ fn nonforced_clear_preserves_read_and_write_leases(expose_slots: bool) {
 }
 
 #[test]
-fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease() {
+fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease_in_process() {
+    nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease::<CheckpointService>();
+}
+
+#[test]
+fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease_over_the_socket() {
+    nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease::<Remote>();
+}
+
+fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease<T: Target>() {
     nonforced_clear_preserves_read_and_write_leases(false);
 }
 
 #[test]
-fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease() {
+fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease_in_process() {
+    nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease::<CheckpointService>();
+}
+
+#[test]
+fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease_over_the_socket() {
+    nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease::<Remote>();
+}
+
+fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease<T: Target>() {
     nonforced_clear_preserves_read_and_write_leases(true);
 }
 
 #[test]
-fn a_failed_rank_prevents_publication_after_other_ranks_complete() {
-    let svc = CheckpointService::open(config("sc-failedrank", None)).unwrap();
+fn a_failed_rank_prevents_publication_after_other_ranks_complete_in_process() {
+    a_failed_rank_prevents_publication_after_other_ranks_complete::<CheckpointService>();
+}
+
+#[test]
+fn a_failed_rank_prevents_publication_after_other_ranks_complete_over_the_socket() {
+    a_failed_rank_prevents_publication_after_other_ranks_complete::<Remote>();
+}
+
+fn a_failed_rank_prevents_publication_after_other_ranks_complete<T: Target>() {
+    let svc = T::open(config("sc-failedrank", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     let leases: Vec<_> = (0..4).map(|rank| prepare(&svc, &m, rank)).collect();
@@ -442,8 +563,17 @@ fn a_failed_rank_prevents_publication_after_other_ranks_complete() {
 }
 
 #[test]
-fn a_rank_cannot_replace_the_staged_payload_layout() {
-    let svc = CheckpointService::open(config("sc-layout", None)).unwrap();
+fn a_rank_cannot_replace_the_staged_payload_layout_in_process() {
+    a_rank_cannot_replace_the_staged_payload_layout::<CheckpointService>();
+}
+
+#[test]
+fn a_rank_cannot_replace_the_staged_payload_layout_over_the_socket() {
+    a_rank_cannot_replace_the_staged_payload_layout::<Remote>();
+}
+
+fn a_rank_cannot_replace_the_staged_payload_layout<T: Target>() {
+    let svc = T::open(config("sc-layout", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     store_one(&svc, &m, 0);
@@ -471,10 +601,19 @@ fn a_rank_cannot_replace_the_staged_payload_layout() {
 }
 
 #[test]
-fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks() {
+fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks_in_process() {
+    a_missing_page_invalidates_the_bundle_and_releases_other_read_locks::<CheckpointService>();
+}
+
+#[test]
+fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks_over_the_socket() {
+    a_missing_page_invalidates_the_bundle_and_releases_other_read_locks::<Remote>();
+}
+
+fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("sc-missing", Some(&l2))).unwrap();
+    let svc = T::open(config("sc-missing", Some(&l2))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     let other = standard(NS, &seq(9000, 40), "prompt", 2);
     store_all(&svc, &m);
@@ -502,9 +641,21 @@ fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks() {
 }
 
 #[test]
-fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation() {
+fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation_in_process() {
+    cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation::<
+        CheckpointService,
+    >();
+}
+
+#[test]
+fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation_over_the_socket()
+ {
+    cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation::<Remote>();
+}
+
+fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("sc-cancel", Some(dir.path()))).unwrap();
+    let svc = T::open(config("sc-cancel", Some(dir.path()))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -537,7 +688,16 @@ fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generat
 }
 
 #[test]
-fn generation_namespace_and_rank_have_disjoint_payload_keys() {
+fn generation_namespace_and_rank_have_disjoint_payload_keys_in_process() {
+    generation_namespace_and_rank_have_disjoint_payload_keys::<CheckpointService>();
+}
+
+#[test]
+fn generation_namespace_and_rank_have_disjoint_payload_keys_over_the_socket() {
+    generation_namespace_and_rank_have_disjoint_payload_keys::<Remote>();
+}
+
+fn generation_namespace_and_rank_have_disjoint_payload_keys<T: Target>() {
     for schema in [1u8, 2] {
         let m = standard(NS, &tokens(), "prompt", schema);
         let other_generation = standard(NS, &seq(2000, 48), "prompt", schema);
@@ -578,9 +738,18 @@ fn generation_namespace_and_rank_have_disjoint_payload_keys() {
 }
 
 #[test]
-fn checkpoint_pages_are_individually_evictable_except_leased_ones() {
+fn checkpoint_pages_are_individually_evictable_except_leased_ones_in_process() {
+    checkpoint_pages_are_individually_evictable_except_leased_ones::<CheckpointService>();
+}
+
+#[test]
+fn checkpoint_pages_are_individually_evictable_except_leased_ones_over_the_socket() {
+    checkpoint_pages_are_individually_evictable_except_leased_ones::<Remote>();
+}
+
+fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("sc-lru", Some(dir.path()))).unwrap();
+    let svc = T::open(config("sc-lru", Some(dir.path()))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -611,8 +780,17 @@ fn checkpoint_pages_are_individually_evictable_except_leased_ones() {
 }
 
 #[test]
-fn sustained_stores_reclaim_capacity_without_losing_a_read() {
-    let svc = CheckpointService::open(config("sc-sustained", None)).unwrap();
+fn sustained_stores_reclaim_capacity_without_losing_a_read_in_process() {
+    sustained_stores_reclaim_capacity_without_losing_a_read::<CheckpointService>();
+}
+
+#[test]
+fn sustained_stores_reclaim_capacity_without_losing_a_read_over_the_socket() {
+    sustained_stores_reclaim_capacity_without_losing_a_read::<Remote>();
+}
+
+fn sustained_stores_reclaim_capacity_without_losing_a_read<T: Target>() {
+    let svc = T::open(config("sc-sustained", None)).unwrap();
     let groups = vec![GroupSpec::new(
         "target.attention.0",
         128 << 10,
@@ -640,18 +818,27 @@ fn sustained_stores_reclaim_capacity_without_losing_a_read() {
 }
 
 #[test]
-fn filesystem_restore_after_directory_and_storage_restart() {
+fn filesystem_restore_after_directory_and_storage_restart_in_process() {
+    filesystem_restore_after_directory_and_storage_restart::<CheckpointService>();
+}
+
+#[test]
+fn filesystem_restore_after_directory_and_storage_restart_over_the_socket() {
+    filesystem_restore_after_directory_and_storage_restart::<Remote>();
+}
+
+fn filesystem_restore_after_directory_and_storage_restart<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     {
-        let svc = CheckpointService::open(durable_config("sc-restart", dir.path())).unwrap();
-        assert!(svc.capabilities().durable_index);
+        let svc = T::open(durable_config("sc-restart", dir.path())).unwrap();
+        assert!(svc.capabilities().unwrap().durable_index);
         store_all(&svc, &m);
         settle(&svc);
         assert_idle(&svc);
         svc.close().unwrap();
     }
-    let svc = CheckpointService::open(durable_config("sc-restart2", dir.path())).unwrap();
+    let svc = T::open(durable_config("sc-restart2", dir.path())).unwrap();
     assert_eq!(
         svc.find(std::slice::from_ref(m.prefix())).unwrap().as_ref(),
         Some(&m)

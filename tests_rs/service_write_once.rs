@@ -9,14 +9,14 @@
 use std::collections::BTreeMap;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 use lmcache_rc_core::store::l2::object_file_bytes;
 
 use crate::service_common::*;
 
 /// (l2_bytes_written, l2_objects, l2_bytes) from status().
-fn l2_figures(svc: &CheckpointService) -> (u64, u64, u64) {
+fn l2_figures(svc: &impl AsTarget) -> (u64, u64, u64) {
+    let svc = svc.target();
     (
         stat(svc, "l2_bytes_written"),
         stat(svc, "l2_objects"),
@@ -26,7 +26,8 @@ fn l2_figures(svc: &CheckpointService) -> (u64, u64, u64) {
 
 /// Checks that both tiers hold exactly the objects the listed generations
 /// reference: the object table, L1, the L2 accounting and the files on disk.
-fn assert_tiers_hold_exactly(svc: &CheckpointService, l2: &std::path::Path, listed: &[&Manifest]) {
+fn assert_tiers_hold_exactly(svc: &impl AsTarget, l2: &std::path::Path, listed: &[&Manifest]) {
+    let svc = svc.target();
     for m in listed {
         assert!(is_listed(svc, m), "{} should be listed", m.generation());
     }
@@ -90,10 +91,19 @@ fn generation(n: u32, kind: &str) -> Manifest {
 }
 
 #[test]
-fn replay_writes_nothing_and_continuation_writes_only_new_pages() {
+fn replay_writes_nothing_and_continuation_writes_only_new_pages_in_process() {
+    replay_writes_nothing_and_continuation_writes_only_new_pages::<CheckpointService>();
+}
+
+#[test]
+fn replay_writes_nothing_and_continuation_writes_only_new_pages_over_the_socket() {
+    replay_writes_nothing_and_continuation_writes_only_new_pages::<Remote>();
+}
+
+fn replay_writes_nothing_and_continuation_writes_only_new_pages<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(durable_config("716-a", dir.path())).unwrap();
+    let svc = T::open(durable_config("716-a", dir.path())).unwrap();
 
     // First request: every page is new.
     let first = generation(100, "prompt");
@@ -174,7 +184,7 @@ fn replay_writes_nothing_and_continuation_writes_only_new_pages() {
     drop(svc);
 
     // An exact replay after a directory restart writes nothing either.
-    let svc = CheckpointService::open(durable_config("716-b", dir.path())).unwrap();
+    let svc = T::open(durable_config("716-b", dir.path())).unwrap();
     assert!(!svc.begin(&first).unwrap());
     assert!(!svc.begin(&replacement).unwrap());
     settle(&svc);
@@ -186,14 +196,23 @@ fn replay_writes_nothing_and_continuation_writes_only_new_pages() {
 }
 
 #[test]
-fn generations_evicted_by_max_entries_leave_no_objects() {
+fn generations_evicted_by_max_entries_leave_no_objects_in_process() {
+    generations_evicted_by_max_entries_leave_no_objects::<CheckpointService>();
+}
+
+#[test]
+fn generations_evicted_by_max_entries_leave_no_objects_over_the_socket() {
+    generations_evicted_by_max_entries_leave_no_objects::<Remote>();
+}
+
+fn generations_evicted_by_max_entries_leave_no_objects<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let cfg = ServiceConfig {
         max_entries: 2,
         ..config("716-evict", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let gens: Vec<Manifest> = [40, 64, 90, 128]
         .iter()
         .map(|&n| generation(n, "prompt"))
@@ -224,10 +243,19 @@ fn generations_evicted_by_max_entries_leave_no_objects() {
 }
 
 #[test]
-fn pages_only_on_disk_are_reused_not_rewritten() {
+fn pages_only_on_disk_are_reused_not_rewritten_in_process() {
+    pages_only_on_disk_are_reused_not_rewritten::<CheckpointService>();
+}
+
+#[test]
+fn pages_only_on_disk_are_reused_not_rewritten_over_the_socket() {
+    pages_only_on_disk_are_reused_not_rewritten::<Remote>();
+}
+
+fn pages_only_on_disk_are_reused_not_rewritten<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("716-disk", Some(&l2))).unwrap();
+    let svc = T::open(config("716-disk", Some(&l2))).unwrap();
     let first = generation(100, "prompt");
     store_all(&svc, &first);
     settle(&svc);
