@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,10 @@ def test_cli_flags_and_help_come_from_the_settings() -> None:
         check=False,
     )
     assert out.returncode == 2 and "--l1-bytes" in out.stderr
+
+
+def test_every_setting_is_documented_in_the_configuration_guide() -> None:
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    for name, _, _, _ in rc.ServerConfig.fields():
+        flag = "--" + name.replace("_", "-")
+        assert f"`{name}` / `{flag}`" in guide, name

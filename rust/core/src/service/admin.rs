@@ -25,7 +25,7 @@ pub(super) fn capabilities(inner: &Inner) -> Capabilities {
     }
 }
 
-/// Counters and gauges (DESIGN §6 keys): every counter (zeros included)
+/// Counters and gauges (the keys `lmcache_rc.results.ServiceStatus` names): every counter (zeros included)
 /// and the misses that happened, by reason.
 pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
     let dir = inner.dir.status()?;

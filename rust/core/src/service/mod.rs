@@ -1,5 +1,5 @@
 //! The checkpoint service: leases, the store path, the retrieve path,
-//! publication, clear, durability and restart (DESIGN §5, §7).
+//! publication, clear, durability and restart (`docs/architecture.md`).
 //!
 //! One [`CheckpointService`] owns the SHM pool (L1), the optional L2 file tier
 //! and the SQLite directory, and implements the operation set
