@@ -1,22 +1,14 @@
 //! Basic store → publish → find → retrieve round trips through the service.
 
 use lmcache_rc_core::TokenRoots;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::service::LeaseStatus;
 
 use crate::service_common::*;
 
-#[test]
-fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact_in_process() {
-    four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact_over_the_socket()
-{
-    four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact::<Remote>();
-}
+both_ways!(
+    four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact,
+    exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages,
+);
 
 fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact<T: Target>() {
     let svc = T::open(config("basic", None)).unwrap();
@@ -40,17 +32,6 @@ fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exa
     }
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages_in_process() {
-    exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages::<CheckpointService>(
-    );
-}
-
-#[test]
-fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages_over_the_socket() {
-    exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages::<Remote>();
 }
 
 fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages<T: Target>() {

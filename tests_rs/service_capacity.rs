@@ -7,9 +7,17 @@ use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
 use lmcache_rc_core::protocol::MissReason;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
+
+both_ways!(
+    store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages,
+    a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed,
+    a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity,
+    store_admission_succeeds_once_a_lease_releases_space_during_its_wait,
+    a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable,
+);
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
 fn pool_filler(base: u32) -> Manifest {
@@ -30,22 +38,6 @@ fn small(base: u32) -> Manifest {
         Role::Attention(16),
     )];
     build_manifest(NS, &seq(base, 32), 1, &groups, 2, "prompt")
-}
-
-#[test]
-fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages_in_process()
- {
-    store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages_over_the_socket()
- {
-    store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages::<
-        Remote,
-    >();
 }
 
 fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages<
@@ -90,16 +82,6 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     svc.close().unwrap();
 }
 
-#[test]
-fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait_in_process() {
-    store_admission_succeeds_once_a_lease_releases_space_during_its_wait::<CheckpointService>();
-}
-
-#[test]
-fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait_over_the_socket() {
-    store_admission_succeeds_once_a_lease_releases_space_during_its_wait::<Remote>();
-}
-
 fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
@@ -139,17 +121,6 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Targe
     svc.close().unwrap();
 }
 
-#[test]
-fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed_in_process() {
-    a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed::<CheckpointService>(
-    );
-}
-
-#[test]
-fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed_over_the_socket() {
-    a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed::<Remote>();
-}
-
 fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
@@ -176,19 +147,6 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: 
     restore_all(&svc, &on_disk);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity_in_process() {
-    a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity_over_the_socket()
-{
-    a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity::<Remote>();
 }
 
 fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>() {
@@ -231,16 +189,6 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     restore_all(&svc, &b);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable_in_process() {
-    a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable::<CheckpointService>();
-}
-
-#[test]
-fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable_over_the_socket() {
-    a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable::<Remote>();
 }
 
 fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>() {

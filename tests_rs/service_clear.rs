@@ -6,22 +6,16 @@
 //! live and otherwise drops everything.
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::service::LeaseStatus;
 
 use crate::service_common::*;
 
-#[test]
-fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations_in_process() {
-    nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations_over_the_socket()
-{
-    nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations::<Remote>();
-}
+both_ways!(
+    nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations,
+    forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything,
+    nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them,
+    clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed,
+);
 
 fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations<T: Target>() {
     let svc = T::open(config("clr-l1", None)).unwrap();
@@ -70,16 +64,6 @@ fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generatio
     svc.close().unwrap();
 }
 
-#[test]
-fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them_in_process() {
-    nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them::<CheckpointService>();
-}
-
-#[test]
-fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them_over_the_socket() {
-    nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them::<Remote>();
-}
-
 fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let svc = T::open(config("clr-l2", Some(dir.path()))).unwrap();
@@ -102,16 +86,6 @@ fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them<T: Targ
     );
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed_in_process() {
-    clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed::<CheckpointService>();
-}
-
-#[test]
-fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed_over_the_socket() {
-    clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed::<Remote>();
 }
 
 fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed<T: Target>() {
@@ -141,19 +115,6 @@ fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed<T: Target>() 
     assert_eq!(stat(&svc, "generations"), 0);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything_in_process() {
-    forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything_over_the_socket()
-{
-    forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything::<Remote>();
 }
 
 fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything<T: Target>() {

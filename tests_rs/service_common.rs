@@ -5,8 +5,8 @@
 //! in-process [`CheckpointService`] and on [`Remote`] — a server on a private
 //! socket, driven through an RPC client, with the pool mapped the way a
 //! worker maps it. A scenario is written once as `fn name<T: Target>()` and
-//! run both ways by two one-line tests (`name_in_process`,
-//! `name_over_the_socket`).
+//! [`both_ways!`] runs it both ways (tests `name::in_process` and
+//! `name::over_the_socket`).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -17,6 +17,25 @@ use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation};
+
+/// Runs each scenario `fn name<T: Target>()` of the calling module twice:
+/// as `name::in_process` on a [`CheckpointService`] and as
+/// `name::over_the_socket` on a [`Remote`].
+macro_rules! both_ways {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn in_process() {
+                super::$name::<lmcache_rc_core::service::CheckpointService>();
+            }
+            #[test]
+            fn over_the_socket() {
+                super::$name::<crate::service_common::Remote>();
+            }
+        }
+    )*};
+}
+pub(crate) use both_ways;
 
 /// What a service scenario runs against: the operation set, the pool as
 /// the copying side sees it, and the service behind it for the checks no

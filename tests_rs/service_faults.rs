@@ -8,23 +8,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
 use crate::service_common::*;
 
+both_ways!(
+    a_rank_reporting_failure_after_the_others_committed_prevents_publication,
+    an_aborted_generation_is_staged_again_only_after_its_leases_drain,
+    a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does,
+    abandoned_unfinished_write_pages_are_rewritten_not_reused,
+    l2_write_errors_leave_the_generation_published_from_l1_but_not_durable,
+    a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1,
+    a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation,
+    a_byte_flipped_while_reading_l2_is_caught_by_the_checksum,
+    an_l2_read_error_is_a_miss_that_keeps_the_generation_listed,
+);
+
 fn tokens() -> Vec<u32> {
     seq(31_000, 48)
-}
-
-#[test]
-fn a_rank_reporting_failure_after_the_others_committed_prevents_publication_in_process() {
-    a_rank_reporting_failure_after_the_others_committed_prevents_publication::<CheckpointService>();
-}
-
-#[test]
-fn a_rank_reporting_failure_after_the_others_committed_prevents_publication_over_the_socket() {
-    a_rank_reporting_failure_after_the_others_committed_prevents_publication::<Remote>();
 }
 
 fn a_rank_reporting_failure_after_the_others_committed_prevents_publication<T: Target>() {
@@ -56,16 +58,6 @@ fn a_rank_reporting_failure_after_the_others_committed_prevents_publication<T: T
     svc.close().unwrap();
 }
 
-#[test]
-fn an_aborted_generation_is_staged_again_only_after_its_leases_drain_in_process() {
-    an_aborted_generation_is_staged_again_only_after_its_leases_drain::<CheckpointService>();
-}
-
-#[test]
-fn an_aborted_generation_is_staged_again_only_after_its_leases_drain_over_the_socket() {
-    an_aborted_generation_is_staged_again_only_after_its_leases_drain::<Remote>();
-}
-
 fn an_aborted_generation_is_staged_again_only_after_its_leases_drain<T: Target>() {
     let svc = T::open(config("f-restage", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
@@ -93,16 +85,6 @@ fn an_aborted_generation_is_staged_again_only_after_its_leases_drain<T: Target>(
     restore_all(&svc, &m);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does_in_process() {
-    a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does::<CheckpointService>();
-}
-
-#[test]
-fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does_over_the_socket() {
-    a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does::<Remote>();
 }
 
 fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does<T: Target>() {
@@ -143,16 +125,6 @@ fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does<T: Targe
     restore_all(&svc, &m);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn abandoned_unfinished_write_pages_are_rewritten_not_reused_in_process() {
-    abandoned_unfinished_write_pages_are_rewritten_not_reused::<CheckpointService>();
-}
-
-#[test]
-fn abandoned_unfinished_write_pages_are_rewritten_not_reused_over_the_socket() {
-    abandoned_unfinished_write_pages_are_rewritten_not_reused::<Remote>();
 }
 
 fn abandoned_unfinished_write_pages_are_rewritten_not_reused<T: Target>() {
@@ -199,16 +171,6 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused<T: Target>() {
     svc.close().unwrap();
 }
 
-#[test]
-fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable_in_process() {
-    l2_write_errors_leave_the_generation_published_from_l1_but_not_durable::<CheckpointService>();
-}
-
-#[test]
-fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable_over_the_socket() {
-    l2_write_errors_leave_the_generation_published_from_l1_but_not_durable::<Remote>();
-}
-
 fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
@@ -252,16 +214,6 @@ fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable<T: Tar
     svc.close().unwrap();
 }
 
-#[test]
-fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1_in_process() {
-    a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1::<CheckpointService>();
-}
-
-#[test]
-fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1_over_the_socket() {
-    a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1::<Remote>();
-}
-
 fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
@@ -290,16 +242,6 @@ fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1<T: T
     restore_all(&svc, &b);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation_in_process() {
-    a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation::<CheckpointService>();
-}
-
-#[test]
-fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation_over_the_socket() {
-    a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation::<Remote>();
 }
 
 fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation<T: Target>() {
@@ -339,16 +281,6 @@ fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation<T: Target>() 
     svc.close().unwrap();
 }
 
-#[test]
-fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum_in_process() {
-    a_byte_flipped_while_reading_l2_is_caught_by_the_checksum::<CheckpointService>();
-}
-
-#[test]
-fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum_over_the_socket() {
-    a_byte_flipped_while_reading_l2_is_caught_by_the_checksum::<Remote>();
-}
-
 fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
@@ -371,16 +303,6 @@ fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum<T: Target>() {
     assert_eq!(stat(&svc, "objects"), 0);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed_in_process() {
-    an_l2_read_error_is_a_miss_that_keeps_the_generation_listed::<CheckpointService>();
-}
-
-#[test]
-fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed_over_the_socket() {
-    an_l2_read_error_is_a_miss_that_keeps_the_generation_listed::<Remote>();
 }
 
 fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed<T: Target>() {

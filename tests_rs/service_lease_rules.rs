@@ -6,19 +6,17 @@
 
 use lmcache_rc_core::ErrorKind;
 use lmcache_rc_core::protocol::MissReason;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
 
-#[test]
-fn rejected_lease_admission_aborts_only_the_new_generation_in_process() {
-    rejected_lease_admission_aborts_only_the_new_generation::<CheckpointService>();
-}
-
-#[test]
-fn rejected_lease_admission_aborts_only_the_new_generation_over_the_socket() {
-    rejected_lease_admission_aborts_only_the_new_generation::<Remote>();
-}
+both_ways!(
+    rejected_lease_admission_aborts_only_the_new_generation,
+    non_success_prepare_paths_leave_no_phantom_lease_or_pin,
+    finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly,
+    close_waits_for_exposed_leases_only_and_stops_admission,
+    a_read_lease_survives_the_replacement_of_its_generation,
+);
 
 fn rejected_lease_admission_aborts_only_the_new_generation<T: Target>() {
     let cfg = ServiceConfig {
@@ -49,16 +47,6 @@ fn rejected_lease_admission_aborts_only_the_new_generation<T: Target>() {
     restore_all(&svc, &first);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn non_success_prepare_paths_leave_no_phantom_lease_or_pin_in_process() {
-    non_success_prepare_paths_leave_no_phantom_lease_or_pin::<CheckpointService>();
-}
-
-#[test]
-fn non_success_prepare_paths_leave_no_phantom_lease_or_pin_over_the_socket() {
-    non_success_prepare_paths_leave_no_phantom_lease_or_pin::<Remote>();
 }
 
 fn non_success_prepare_paths_leave_no_phantom_lease_or_pin<T: Target>() {
@@ -127,16 +115,6 @@ fn non_success_prepare_paths_leave_no_phantom_lease_or_pin<T: Target>() {
     restore_all(&svc, &m);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly_in_process() {
-    finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly::<CheckpointService>();
-}
-
-#[test]
-fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly_over_the_socket() {
-    finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly::<Remote>();
 }
 
 fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly<T: Target>() {
@@ -209,16 +187,6 @@ fn finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly<T: Target
     svc.close().unwrap();
 }
 
-#[test]
-fn close_waits_for_exposed_leases_only_and_stops_admission_in_process() {
-    close_waits_for_exposed_leases_only_and_stops_admission::<CheckpointService>();
-}
-
-#[test]
-fn close_waits_for_exposed_leases_only_and_stops_admission_over_the_socket() {
-    close_waits_for_exposed_leases_only_and_stops_admission::<Remote>();
-}
-
 fn close_waits_for_exposed_leases_only_and_stops_admission<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let svc = T::open(config("acc-close", Some(dir.path()))).unwrap();
@@ -238,16 +206,6 @@ fn close_waits_for_exposed_leases_only_and_stops_admission<T: Target>() {
     assert_eq!(pending.status, LeaseStatus::Pending);
     svc.close().unwrap();
     assert_eq!(svc.begin(&m).unwrap_err().kind(), ErrorKind::Closed);
-}
-
-#[test]
-fn a_read_lease_survives_the_replacement_of_its_generation_in_process() {
-    a_read_lease_survives_the_replacement_of_its_generation::<CheckpointService>();
-}
-
-#[test]
-fn a_read_lease_survives_the_replacement_of_its_generation_over_the_socket() {
-    a_read_lease_survives_the_replacement_of_its_generation::<Remote>();
 }
 
 fn a_read_lease_survives_the_replacement_of_its_generation<T: Target>() {

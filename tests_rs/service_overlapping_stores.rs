@@ -11,9 +11,16 @@ use std::time::{Duration, Instant};
 
 use lmcache_rc_core::Manifest;
 use lmcache_rc_core::protocol::Checkpoints;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
+
+both_ways!(
+    waiter_reuses_pages_the_first_writer_commits,
+    waiter_writes_pages_the_first_writer_aborts,
+    pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter,
+    concurrent_overlapping_stores_never_lose_a_generation,
+);
 
 /// The pages of one boundary checkpoint of a conversation: attention pages
 /// (shared by every later boundary), one recurrent page and one auxiliary page.
@@ -55,16 +62,6 @@ fn assert_all_ranks_busy(svc: &impl AsTarget, m: &Manifest) {
     assert_eq!(stat(svc, "pins"), pins);
 }
 
-#[test]
-fn waiter_reuses_pages_the_first_writer_commits_in_process() {
-    waiter_reuses_pages_the_first_writer_commits::<CheckpointService>();
-}
-
-#[test]
-fn waiter_reuses_pages_the_first_writer_commits_over_the_socket() {
-    waiter_reuses_pages_the_first_writer_commits::<Remote>();
-}
-
 fn waiter_reuses_pages_the_first_writer_commits<T: Target>() {
     let svc = T::open(config("725-commit", None)).unwrap();
     let conv = seq(11_000, 200);
@@ -99,16 +96,6 @@ fn waiter_reuses_pages_the_first_writer_commits<T: Target>() {
     restore_all(&svc, &prompt);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn waiter_writes_pages_the_first_writer_aborts_in_process() {
-    waiter_writes_pages_the_first_writer_aborts::<CheckpointService>();
-}
-
-#[test]
-fn waiter_writes_pages_the_first_writer_aborts_over_the_socket() {
-    waiter_writes_pages_the_first_writer_aborts::<Remote>();
 }
 
 fn waiter_writes_pages_the_first_writer_aborts<T: Target>() {
@@ -151,16 +138,6 @@ fn waiter_writes_pages_the_first_writer_aborts<T: Target>() {
     restore_all(&svc, &prompt);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter_in_process() {
-    pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter::<CheckpointService>();
-}
-
-#[test]
-fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter_over_the_socket() {
-    pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter::<Remote>();
 }
 
 fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter<T: Target>() {
@@ -307,16 +284,6 @@ fn store_concurrently(
         published: results.iter().filter(|(_, r)| *r == Ok(true)).count(),
         refused,
     }
-}
-
-#[test]
-fn concurrent_overlapping_stores_never_lose_a_generation_in_process() {
-    concurrent_overlapping_stores_never_lose_a_generation::<CheckpointService>();
-}
-
-#[test]
-fn concurrent_overlapping_stores_never_lose_a_generation_over_the_socket() {
-    concurrent_overlapping_stores_never_lose_a_generation::<Remote>();
 }
 
 fn concurrent_overlapping_stores_never_lose_a_generation<T: Target>() {

@@ -6,10 +6,12 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::service::LeaseStatus;
 use lmcache_rc_core::store::l2::{DirEntryInfo, Fs, ReadFile, RealFs, WriteFile};
 
 use crate::service_common::*;
+
+both_ways!(a_page_stored_again_while_its_l2_delete_runs_stays_durable,);
 
 #[derive(Default)]
 struct Gate {
@@ -110,16 +112,6 @@ fn two_rank_generation() -> Manifest {
 /// An object whose L2 delete is still running must not be recreated as if
 /// the old file were its durable copy: the delete would remove the new
 /// generation's only disk copy while the service believes it durable.
-#[test]
-fn a_page_stored_again_while_its_l2_delete_runs_stays_durable_in_process() {
-    a_page_stored_again_while_its_l2_delete_runs_stays_durable::<CheckpointService>();
-}
-
-#[test]
-fn a_page_stored_again_while_its_l2_delete_runs_stays_durable_over_the_socket() {
-    a_page_stored_again_while_its_l2_delete_runs_stays_durable::<Remote>();
-}
-
 fn a_page_stored_again_while_its_l2_delete_runs_stays_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");

@@ -7,24 +7,19 @@
 use std::sync::Arc;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::CheckpointService;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::{L2Tier, RealFs};
 
 use crate::service_common::*;
 
+both_ways!(
+    unreferenced_objects_and_pending_work_are_deleted_at_start_up,
+    generations_with_missing_or_corrupt_object_files_are_retired_at_start_up,
+    without_a_durable_directory_payload_files_are_reclaimed_at_start_up,
+);
+
 fn generation_at(base: u32) -> Manifest {
     standard(NS, &seq(base, 48), "prompt", 2)
-}
-
-#[test]
-fn unreferenced_objects_and_pending_work_are_deleted_at_start_up_in_process() {
-    unreferenced_objects_and_pending_work_are_deleted_at_start_up::<CheckpointService>();
-}
-
-#[test]
-fn unreferenced_objects_and_pending_work_are_deleted_at_start_up_over_the_socket() {
-    unreferenced_objects_and_pending_work_are_deleted_at_start_up::<Remote>();
 }
 
 fn unreferenced_objects_and_pending_work_are_deleted_at_start_up<T: Target>() {
@@ -67,16 +62,6 @@ fn unreferenced_objects_and_pending_work_are_deleted_at_start_up<T: Target>() {
     svc.abort(pending.generation()).unwrap();
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up_in_process() {
-    generations_with_missing_or_corrupt_object_files_are_retired_at_start_up::<CheckpointService>();
-}
-
-#[test]
-fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up_over_the_socket() {
-    generations_with_missing_or_corrupt_object_files_are_retired_at_start_up::<Remote>();
 }
 
 fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up<T: Target>() {
@@ -127,16 +112,6 @@ fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up<T: T
     assert_eq!(l2_files(&l2), expected_l2([&intact]));
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn without_a_durable_directory_payload_files_are_reclaimed_at_start_up_in_process() {
-    without_a_durable_directory_payload_files_are_reclaimed_at_start_up::<CheckpointService>();
-}
-
-#[test]
-fn without_a_durable_directory_payload_files_are_reclaimed_at_start_up_over_the_socket() {
-    without_a_durable_directory_payload_files_are_reclaimed_at_start_up::<Remote>();
 }
 
 fn without_a_durable_directory_payload_files_are_reclaimed_at_start_up<T: Target>() {

@@ -11,21 +11,30 @@ use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
 
+both_ways!(
+    publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes,
+    a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again,
+    shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish,
+    cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation,
+    content_addressed_pages_skip_resident_duplicate_copies,
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_commits,
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts,
+    a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it,
+    lease_budget_never_recycles_live_copy_buffers,
+    payload_capacity_miss_preserves_a_read_leased_checkpoint,
+    nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease,
+    nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease,
+    a_failed_rank_prevents_publication_after_other_ranks_complete,
+    a_rank_cannot_replace_the_staged_payload_layout,
+    a_missing_page_invalidates_the_bundle_and_releases_other_read_locks,
+    generation_namespace_and_rank_have_disjoint_payload_keys,
+    checkpoint_pages_are_individually_evictable_except_leased_ones,
+    sustained_stores_reclaim_capacity_without_losing_a_read,
+    filesystem_restore_after_directory_and_storage_restart,
+);
+
 fn tokens() -> Vec<u32> {
     seq(1000, 48)
-}
-
-#[test]
-fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes_in_process() {
-    publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes_over_the_socket()
-{
-    publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes::<Remote>();
 }
 
 fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes<T: Target>() {
@@ -60,16 +69,6 @@ fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_byte
     assert_eq!(stat(&svc, "store_leases"), 0);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn content_addressed_pages_skip_resident_duplicate_copies_in_process() {
-    content_addressed_pages_skip_resident_duplicate_copies::<CheckpointService>();
-}
-
-#[test]
-fn content_addressed_pages_skip_resident_duplicate_copies_over_the_socket() {
-    content_addressed_pages_skip_resident_duplicate_copies::<Remote>();
 }
 
 fn content_addressed_pages_skip_resident_duplicate_copies<T: Target>() {
@@ -175,42 +174,12 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
     svc.close().unwrap();
 }
 
-#[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits_in_process() {
-    content_addressed_pages_coalesce_with_an_inflight_writer_that_commits::<CheckpointService>();
-}
-
-#[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits_over_the_socket() {
-    content_addressed_pages_coalesce_with_an_inflight_writer_that_commits::<Remote>();
-}
-
 fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits<T: Target>() {
     coalesce_with_inflight_writer(true);
 }
 
-#[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts_in_process() {
-    content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts::<CheckpointService>();
-}
-
-#[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts_over_the_socket() {
-    content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts::<Remote>();
-}
-
 fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts<T: Target>() {
     coalesce_with_inflight_writer(false);
-}
-
-#[test]
-fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it_in_process() {
-    a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it::<CheckpointService>();
-}
-
-#[test]
-fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it_over_the_socket() {
-    a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it::<Remote>();
 }
 
 fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it<T: Target>() {
@@ -245,16 +214,6 @@ fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it<T: Ta
     assert_eq!(stat(&svc, "pending"), 0);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn lease_budget_never_recycles_live_copy_buffers_in_process() {
-    lease_budget_never_recycles_live_copy_buffers::<CheckpointService>();
-}
-
-#[test]
-fn lease_budget_never_recycles_live_copy_buffers_over_the_socket() {
-    lease_budget_never_recycles_live_copy_buffers::<Remote>();
 }
 
 fn lease_budget_never_recycles_live_copy_buffers<T: Target>() {
@@ -313,22 +272,6 @@ fn lease_budget_never_recycles_live_copy_buffers<T: Target>() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again_in_process()
- {
-    a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again_over_the_socket()
- {
-    a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again::<
-        Remote,
-    >();
-}
-
 fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again<
     T: Target,
 >() {
@@ -356,16 +299,6 @@ fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_s
     restore_all(&svc, &m);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn payload_capacity_miss_preserves_a_read_leased_checkpoint_in_process() {
-    payload_capacity_miss_preserves_a_read_leased_checkpoint::<CheckpointService>();
-}
-
-#[test]
-fn payload_capacity_miss_preserves_a_read_leased_checkpoint_over_the_socket() {
-    payload_capacity_miss_preserves_a_read_leased_checkpoint::<Remote>();
 }
 
 fn payload_capacity_miss_preserves_a_read_leased_checkpoint<T: Target>() {
@@ -405,17 +338,6 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint<T: Target>() {
     restore_all(&svc, &replacement);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish_in_process() {
-    shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish::<CheckpointService>(
-    );
-}
-
-#[test]
-fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish_over_the_socket() {
-    shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish::<Remote>();
 }
 
 fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish<T: Target>() {
@@ -498,42 +420,12 @@ fn nonforced_clear_preserves_read_and_write_leases(expose_slots: bool) {
     svc.close().unwrap();
 }
 
-#[test]
-fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease_in_process() {
-    nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease::<CheckpointService>();
-}
-
-#[test]
-fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease_over_the_socket() {
-    nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease::<Remote>();
-}
-
 fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease<T: Target>() {
     nonforced_clear_preserves_read_and_write_leases(false);
 }
 
-#[test]
-fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease_in_process() {
-    nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease::<CheckpointService>();
-}
-
-#[test]
-fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease_over_the_socket() {
-    nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease::<Remote>();
-}
-
 fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease<T: Target>() {
     nonforced_clear_preserves_read_and_write_leases(true);
-}
-
-#[test]
-fn a_failed_rank_prevents_publication_after_other_ranks_complete_in_process() {
-    a_failed_rank_prevents_publication_after_other_ranks_complete::<CheckpointService>();
-}
-
-#[test]
-fn a_failed_rank_prevents_publication_after_other_ranks_complete_over_the_socket() {
-    a_failed_rank_prevents_publication_after_other_ranks_complete::<Remote>();
 }
 
 fn a_failed_rank_prevents_publication_after_other_ranks_complete<T: Target>() {
@@ -560,16 +452,6 @@ fn a_failed_rank_prevents_publication_after_other_ranks_complete<T: Target>() {
     );
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn a_rank_cannot_replace_the_staged_payload_layout_in_process() {
-    a_rank_cannot_replace_the_staged_payload_layout::<CheckpointService>();
-}
-
-#[test]
-fn a_rank_cannot_replace_the_staged_payload_layout_over_the_socket() {
-    a_rank_cannot_replace_the_staged_payload_layout::<Remote>();
 }
 
 fn a_rank_cannot_replace_the_staged_payload_layout<T: Target>() {
@@ -600,16 +482,6 @@ fn a_rank_cannot_replace_the_staged_payload_layout<T: Target>() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks_in_process() {
-    a_missing_page_invalidates_the_bundle_and_releases_other_read_locks::<CheckpointService>();
-}
-
-#[test]
-fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks_over_the_socket() {
-    a_missing_page_invalidates_the_bundle_and_releases_other_read_locks::<Remote>();
-}
-
 fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
@@ -638,19 +510,6 @@ fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks<T: Target
     restore_all(&svc, &other);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation_in_process() {
-    cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation::<
-        CheckpointService,
-    >();
-}
-
-#[test]
-fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation_over_the_socket()
- {
-    cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation::<Remote>();
 }
 
 fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation<T: Target>() {
@@ -685,16 +544,6 @@ fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generat
     assert_eq!(misses(&svc, "lost_object"), 0);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn generation_namespace_and_rank_have_disjoint_payload_keys_in_process() {
-    generation_namespace_and_rank_have_disjoint_payload_keys::<CheckpointService>();
-}
-
-#[test]
-fn generation_namespace_and_rank_have_disjoint_payload_keys_over_the_socket() {
-    generation_namespace_and_rank_have_disjoint_payload_keys::<Remote>();
 }
 
 fn generation_namespace_and_rank_have_disjoint_payload_keys<T: Target>() {
@@ -737,16 +586,6 @@ fn generation_namespace_and_rank_have_disjoint_payload_keys<T: Target>() {
     );
 }
 
-#[test]
-fn checkpoint_pages_are_individually_evictable_except_leased_ones_in_process() {
-    checkpoint_pages_are_individually_evictable_except_leased_ones::<CheckpointService>();
-}
-
-#[test]
-fn checkpoint_pages_are_individually_evictable_except_leased_ones_over_the_socket() {
-    checkpoint_pages_are_individually_evictable_except_leased_ones::<Remote>();
-}
-
 fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let svc = T::open(config("sc-lru", Some(dir.path()))).unwrap();
@@ -779,16 +618,6 @@ fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>() {
     svc.close().unwrap();
 }
 
-#[test]
-fn sustained_stores_reclaim_capacity_without_losing_a_read_in_process() {
-    sustained_stores_reclaim_capacity_without_losing_a_read::<CheckpointService>();
-}
-
-#[test]
-fn sustained_stores_reclaim_capacity_without_losing_a_read_over_the_socket() {
-    sustained_stores_reclaim_capacity_without_losing_a_read::<Remote>();
-}
-
 fn sustained_stores_reclaim_capacity_without_losing_a_read<T: Target>() {
     let svc = T::open(config("sc-sustained", None)).unwrap();
     let groups = vec![GroupSpec::new(
@@ -815,16 +644,6 @@ fn sustained_stores_reclaim_capacity_without_losing_a_read<T: Target>() {
     restore_all(&svc, &gens[15]);
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn filesystem_restore_after_directory_and_storage_restart_in_process() {
-    filesystem_restore_after_directory_and_storage_restart::<CheckpointService>();
-}
-
-#[test]
-fn filesystem_restore_after_directory_and_storage_restart_over_the_socket() {
-    filesystem_restore_after_directory_and_storage_restart::<Remote>();
 }
 
 fn filesystem_restore_after_directory_and_storage_restart<T: Target>() {

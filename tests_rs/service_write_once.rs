@@ -9,10 +9,16 @@
 use std::collections::BTreeMap;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
+use lmcache_rc_core::service::ServiceConfig;
 use lmcache_rc_core::store::l2::object_file_bytes;
 
 use crate::service_common::*;
+
+both_ways!(
+    replay_writes_nothing_and_continuation_writes_only_new_pages,
+    generations_evicted_by_max_entries_leave_no_objects,
+    pages_only_on_disk_are_reused_not_rewritten,
+);
 
 /// (l2_bytes_written, l2_objects, l2_bytes) from status().
 fn l2_figures(svc: &impl AsTarget) -> (u64, u64, u64) {
@@ -88,16 +94,6 @@ fn generation(n: u32, kind: &str) -> Manifest {
     let mut g = groups(kind);
     g[0].positions = (0..u64::from(n).div_ceil(16)).collect();
     build_manifest(NS, &tokens, 4, &g, 2, kind)
-}
-
-#[test]
-fn replay_writes_nothing_and_continuation_writes_only_new_pages_in_process() {
-    replay_writes_nothing_and_continuation_writes_only_new_pages::<CheckpointService>();
-}
-
-#[test]
-fn replay_writes_nothing_and_continuation_writes_only_new_pages_over_the_socket() {
-    replay_writes_nothing_and_continuation_writes_only_new_pages::<Remote>();
 }
 
 fn replay_writes_nothing_and_continuation_writes_only_new_pages<T: Target>() {
@@ -195,16 +191,6 @@ fn replay_writes_nothing_and_continuation_writes_only_new_pages<T: Target>() {
     svc.close().unwrap();
 }
 
-#[test]
-fn generations_evicted_by_max_entries_leave_no_objects_in_process() {
-    generations_evicted_by_max_entries_leave_no_objects::<CheckpointService>();
-}
-
-#[test]
-fn generations_evicted_by_max_entries_leave_no_objects_over_the_socket() {
-    generations_evicted_by_max_entries_leave_no_objects::<Remote>();
-}
-
 fn generations_evicted_by_max_entries_leave_no_objects<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
@@ -240,16 +226,6 @@ fn generations_evicted_by_max_entries_leave_no_objects<T: Target>() {
     }
     assert_idle(&svc);
     svc.close().unwrap();
-}
-
-#[test]
-fn pages_only_on_disk_are_reused_not_rewritten_in_process() {
-    pages_only_on_disk_are_reused_not_rewritten::<CheckpointService>();
-}
-
-#[test]
-fn pages_only_on_disk_are_reused_not_rewritten_over_the_socket() {
-    pages_only_on_disk_are_reused_not_rewritten::<Remote>();
 }
 
 fn pages_only_on_disk_are_reused_not_rewritten<T: Target>() {

@@ -15,6 +15,9 @@
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
+#[macro_use]
+mod macros;
+
 pub mod config;
 pub mod error;
 pub mod http;

@@ -144,23 +144,99 @@ pub(crate) fn roots_of(roots: &Bound<'_, PyAny>) -> PyResult<Vec<Prefix>> {
 
 /// Defines the protocol methods of a Python class wrapping a
 /// `Checkpoints + CheckpointsAsync` implementation returned by `self.$api()`
-/// (a `PyResult`: it raises `ForkedProcess` in a forked child),
-/// followed by the class's own methods (one `#[pymethods]` block per class).
-/// Callers import `Checkpoints` and `CheckpointsAsync`.
+/// (a `PyResult`: it raises `ForkedProcess` in a forked child), followed by
+/// the class's own methods (one `#[pymethods]` block per class). Callers
+/// import `Checkpoints` and `CheckpointsAsync`.
+///
+/// Operations are listed by the shape of their arguments; each line gives
+/// the blocking method and its `*_async` twin.
 macro_rules! checkpoint_pymethods {
     ($class:ty, $api:ident, { $($own:tt)* }) => {
+        $crate::protocol::checkpoint_pymethods!(@methods $class, $api,
+            no_args: [
+                /// format_version, protocol_version, shm_name, pool_size, durable_index.
+                capabilities / capabilities_async;
+                /// Counters and gauges (over RPC: plus the RPC layer's); every
+                /// value an integer, `misses` a map reason -> count.
+                status / status_async;
+                /// Every listed generation: generation, num_tokens, world_size,
+                /// payload_bytes, durable, access_order.
+                list_generations / list_generations_async;
+            ],
+            manifest_rank: [
+                /// Leases slots for one rank's pages: status ready | busy | miss.
+                prepare_store / prepare_store_async;
+                /// Starts a retrieve: status pending | miss.
+                begin_retrieve / begin_retrieve_async;
+            ],
+            lease_rank: [
+                /// Polls a retrieve: pending | ready | miss. With `rank`, a
+                /// lease another rank obtained is refused.
+                poll_retrieve / poll_retrieve_async;
+                /// Ends an exposed retrieve lease after the copy drained.
+                finish_retrieve / finish_retrieve_async;
+                /// Cancels a retrieve that exposed nothing; never invalidates.
+                cancel_retrieve / cancel_retrieve_async;
+            ],
+            own: { $($own)* }
+        );
+    };
+    (@methods $class:ty, $api:ident,
+        no_args: [$( $(#[$d0:meta])* $n0:ident / $a0:ident; )*],
+        manifest_rank: [$( $(#[$d1:meta])* $n1:ident / $a1:ident; )*],
+        lease_rank: [$( $(#[$d2:meta])* $n2:ident / $a2:ident; )*],
+        own: { $($own:tt)* }
+    ) => {
         #[pymethods]
         impl $class {
-            /// format_version, protocol_version, shm_name, pool_size, durable_index.
-            fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || Checkpoints::capabilities(api))
-            }
-            /// `capabilities` without waiting.
-            fn capabilities_async(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.capabilities_async()))
-            }
+            $(
+                $(#[$d0])*
+                fn $n0(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+                    let api = self.$api()?;
+                    $crate::protocol::call(py, || Checkpoints::$n0(api))
+                }
+                #[doc = concat!("`", stringify!($n0), "` without waiting.")]
+                fn $a0(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
+                    let api = self.$api()?;
+                    Ok($crate::protocol::start(py, || CheckpointsAsync::$a0(api)))
+                }
+            )*
+            $(
+                $(#[$d1])*
+                fn $n1(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyResult<Py<PyAny>> {
+                    let api = self.$api()?;
+                    $crate::protocol::call(py, || api.$n1(&manifest.inner, rank))
+                }
+                #[doc = concat!("`", stringify!($n1), "` without waiting.")]
+                fn $a1(
+                    &self,
+                    py: Python<'_>,
+                    manifest: &PyManifest,
+                    rank: u32,
+                ) -> PyResult<$crate::protocol::PyFuture> {
+                    let api = self.$api()?;
+                    Ok($crate::protocol::start(py, || api.$a1(&manifest.inner, rank)))
+                }
+            )*
+            $(
+                $(#[$d2])*
+                #[pyo3(signature = (lease_id, *, rank = None))]
+                fn $n2(&self, py: Python<'_>, lease_id: &str, rank: Option<u32>) -> PyResult<Py<PyAny>> {
+                    let api = self.$api()?;
+                    $crate::protocol::call(py, || api.$n2(lease_id, rank))
+                }
+                #[doc = concat!("`", stringify!($n2), "` without waiting.")]
+                #[pyo3(signature = (lease_id, *, rank = None))]
+                fn $a2(
+                    &self,
+                    py: Python<'_>,
+                    lease_id: &str,
+                    rank: Option<u32>,
+                ) -> PyResult<$crate::protocol::PyFuture> {
+                    let api = self.$api()?;
+                    Ok($crate::protocol::start(py, || api.$a2(lease_id, rank)))
+                }
+            )*
 
             /// The longest listed generation matching the roots (a candidate).
             fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
@@ -202,27 +278,6 @@ macro_rules! checkpoint_pymethods {
                 Ok($crate::protocol::start(py, || api.abort_async(generation)))
             }
 
-            /// Leases slots for one rank's pages: status ready | busy | miss.
-            fn prepare_store(
-                &self,
-                py: Python<'_>,
-                manifest: &PyManifest,
-                rank: u32,
-            ) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.prepare_store(&manifest.inner, rank))
-            }
-            /// `prepare_store` without waiting.
-            fn prepare_store_async(
-                &self,
-                py: Python<'_>,
-                manifest: &PyManifest,
-                rank: u32,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.prepare_store_async(&manifest.inner, rank)))
-            }
-
             /// Ends a store lease; True only for the call that published.
             /// With `rank`, a lease another rank obtained is refused.
             #[pyo3(signature = (lease_id, success, *, rank = None))]
@@ -249,108 +304,6 @@ macro_rules! checkpoint_pymethods {
                 Ok($crate::protocol::start(py, || api.finish_store_async(lease_id, success, rank)))
             }
 
-            /// Starts a retrieve: status pending | miss.
-            fn begin_retrieve(
-                &self,
-                py: Python<'_>,
-                manifest: &PyManifest,
-                rank: u32,
-            ) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.begin_retrieve(&manifest.inner, rank))
-            }
-            /// `begin_retrieve` without waiting.
-            fn begin_retrieve_async(
-                &self,
-                py: Python<'_>,
-                manifest: &PyManifest,
-                rank: u32,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.begin_retrieve_async(&manifest.inner, rank)))
-            }
-
-            /// Polls a retrieve: pending | ready | miss.
-            #[pyo3(signature = (lease_id, *, rank = None))]
-            fn poll_retrieve(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                rank: Option<u32>,
-            ) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.poll_retrieve(lease_id, rank))
-            }
-            /// `poll_retrieve` without waiting.
-            #[pyo3(signature = (lease_id, *, rank = None))]
-            fn poll_retrieve_async(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                rank: Option<u32>,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.poll_retrieve_async(lease_id, rank)))
-            }
-
-            /// Ends an exposed retrieve lease after the copy drained.
-            #[pyo3(signature = (lease_id, *, rank = None))]
-            fn finish_retrieve(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                rank: Option<u32>,
-            ) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.finish_retrieve(lease_id, rank))
-            }
-            /// `finish_retrieve` without waiting.
-            #[pyo3(signature = (lease_id, *, rank = None))]
-            fn finish_retrieve_async(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                rank: Option<u32>,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.finish_retrieve_async(lease_id, rank)))
-            }
-
-            /// Cancels a retrieve that exposed nothing; never invalidates.
-            #[pyo3(signature = (lease_id, *, rank = None))]
-            fn cancel_retrieve(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                rank: Option<u32>,
-            ) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.cancel_retrieve(lease_id, rank))
-            }
-            /// `cancel_retrieve` without waiting.
-            #[pyo3(signature = (lease_id, *, rank = None))]
-            fn cancel_retrieve_async(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                rank: Option<u32>,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.cancel_retrieve_async(lease_id, rank)))
-            }
-
-            /// Counters and gauges (over RPC: plus the RPC layer's); every
-            /// value an integer, `misses` a map reason -> count.
-            fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.status())
-            }
-            /// `status` without waiting.
-            fn status_async(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.status_async()))
-            }
-
             /// Drops L1 copies (and L2 files with all_tiers); `force` is
             /// refused with LeasesLive while leases are live.
             #[pyo3(signature = (force = false, all_tiers = false))]
@@ -368,18 +321,6 @@ macro_rules! checkpoint_pymethods {
             ) -> PyResult<$crate::protocol::PyFuture> {
                 let api = self.$api()?;
                 Ok($crate::protocol::start(py, || api.clear_async(force, all_tiers)))
-            }
-
-            /// Every listed generation: generation, num_tokens, world_size,
-            /// payload_bytes, durable, access_order.
-            fn list_generations(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.list_generations())
-            }
-            /// `list_generations` without waiting.
-            fn list_generations_async(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.list_generations_async()))
             }
 
             $($own)*

@@ -27,67 +27,50 @@ impl LeaseStatus {
     }
 }
 
-/// Declares [`MissReason`] from one table: variant, stable name, meaning.
-/// The name is what status maps, metrics and Python show.
-macro_rules! miss_reasons {
-    ($( $(#[$doc:meta])* $variant:ident = $name:literal, )*) => {
-        /// Why a lease call answered `miss` (or `busy`): a closed set of
-        /// stable names, counted per reason in status and metrics.
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum MissReason {
-            $( $(#[$doc])* $variant, )*
-        }
-
-        impl MissReason {
-            /// Every reason, in declaration order (status counters are indexed by it).
-            pub const ALL: &'static [MissReason] = &[$(MissReason::$variant),*];
-
-            /// The stable name (`"not_pending"`, ...).
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $(MissReason::$variant => $name,)*
-                }
-            }
-
-            /// The reason named `name`; a name this build does not know
-            /// (a newer server's) is [`MissReason::Other`].
-            pub fn from_name(name: &str) -> MissReason {
-                match name {
-                    $($name => MissReason::$variant,)*
-                    _ => MissReason::Other,
-                }
-            }
-        }
-    };
+named_enum! {
+    /// Why a lease call answered `miss` (or `busy`): a closed set of
+    /// stable names, counted per reason in status and metrics.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum MissReason {
+        /// The generation is not pending (never begun, aborted or published).
+        NotPending = "not_pending",
+        /// The server is shutting down and admits no new work.
+        Shutdown = "shutdown",
+        /// Too many live leases (`max_leases`).
+        LeaseBudget = "lease_budget",
+        /// The staging this call belongs to was aborted (and maybe begun again).
+        Conflict = "conflict",
+        /// L1 space did not free up within the admission timeout.
+        Capacity = "capacity",
+        /// The generation was aborted while this rank copied.
+        AbortedDuringStore = "aborted_during_store",
+        /// The directory failed to record an acknowledgement.
+        DirectoryError = "directory_error",
+        /// The generation is not listed (never published, replaced or retired).
+        NotListed = "not_listed",
+        /// A page has no copy left (proof of loss: the generation is retired).
+        LostObject = "lost_object",
+        /// Reading a page from L2 failed (not proof of loss).
+        L2ReadError = "l2_read_error",
+        /// A retrieve stayed pending longer than `retrieve_timeout`.
+        RetrieveTimeout = "retrieve_timeout",
+        /// Another lease is writing a page this store needs (status `busy`).
+        Busy = "busy",
+        /// A reason this build does not know (sent by a newer server).
+        Other = "other",
+    }
 }
 
-miss_reasons! {
-    /// The generation is not pending (never begun, aborted or published).
-    NotPending = "not_pending",
-    /// The server is shutting down and admits no new work.
-    Shutdown = "shutdown",
-    /// Too many live leases (`max_leases`).
-    LeaseBudget = "lease_budget",
-    /// The staging this call belongs to was aborted (and maybe begun again).
-    Conflict = "conflict",
-    /// L1 space did not free up within the admission timeout.
-    Capacity = "capacity",
-    /// The generation was aborted while this rank copied.
-    AbortedDuringStore = "aborted_during_store",
-    /// The directory failed to record an acknowledgement.
-    DirectoryError = "directory_error",
-    /// The generation is not listed (never published, replaced or retired).
-    NotListed = "not_listed",
-    /// A page has no copy left (proof of loss: the generation is retired).
-    LostObject = "lost_object",
-    /// Reading a page from L2 failed (not proof of loss).
-    L2ReadError = "l2_read_error",
-    /// A retrieve stayed pending longer than `retrieve_timeout`.
-    RetrieveTimeout = "retrieve_timeout",
-    /// Another lease is writing a page this store needs (status `busy`).
-    Busy = "busy",
-    /// A reason this build does not know (sent by a newer server).
-    Other = "other",
+impl MissReason {
+    /// The reason named `name`; a name this build does not know (a newer
+    /// server's) is [`MissReason::Other`].
+    pub fn from_name(name: &str) -> MissReason {
+        MissReason::ALL
+            .iter()
+            .copied()
+            .find(|r| r.as_str() == name)
+            .unwrap_or(MissReason::Other)
+    }
 }
 
 impl std::fmt::Display for MissReason {

@@ -3,86 +3,67 @@
 
 use crate::protocol::MissReason;
 
-/// Declares [`Counter`] from one table: variant, status name, meaning.
-macro_rules! counters {
-    ($( $(#[$doc:meta])* $variant:ident = $name:literal, )*) => {
-        /// An event the service counts; each is a status value of its name.
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum Counter {
-            $( $(#[$doc])* $variant, )*
-        }
-
-        impl Counter {
-            /// Every counter, in declaration order (its index in [`Counters`]).
-            pub const ALL: &'static [Counter] = &[$(Counter::$variant),*];
-
-            /// The status name (`"find_hits"`, ...).
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $(Counter::$variant => $name,)*
-                }
-            }
-        }
-    };
-}
-
-counters! {
-    /// `find` answered a manifest.
-    FindHits = "find_hits",
-    /// `find` answered nothing.
-    FindMisses = "find_misses",
-    /// `begin` refused a generation an aborted attempt of which still drains.
-    BeginDraining = "begin_draining",
-    /// `begin` refused a duplicate (identical generation pending or listed) or found no capacity.
-    BeginSuppressed = "begin_suppressed",
-    /// Pending generations aborted because nothing happened for `abandoned_after`.
-    AbandonedGenerations = "abandoned_generations",
-    /// Store pages reused without a copy (already resident).
-    StorePagesReused = "store_pages_reused",
-    /// Store pages leased for a copy.
-    StorePagesNew = "store_pages_new",
-    /// Bytes exposed to store copies.
-    StoreBytesLeased = "store_bytes_leased",
-    /// Bytes committed by successful store finishes.
-    StoreBytesCommitted = "store_bytes_committed",
-    /// Store admissions that had to wait for space.
-    AdmissionWaits = "admission_waits",
-    /// Admission attempts repeated after a wait.
-    AdmissionRetries = "admission_retries",
-    /// Store admissions that succeeded after waiting for evictions.
-    AdmissionSuccessAfterEviction = "admission_success_after_eviction",
-    /// Store admissions that gave up on space (a `capacity` miss).
-    AdmissionTimeouts = "admission_timeouts",
-    /// Store admissions answered `busy`.
-    AdmissionBusy = "admission_busy",
-    /// Generations published (every rank committed).
-    Published = "published",
-    /// Retrieves whose slots were exposed (restores served).
-    Hits = "hits",
-    /// Listed generations dropped for space (directory capacity, or their only copy evicted).
-    Evictions = "evictions",
-    /// L1 copies evicted.
-    L1Evictions = "l1_evictions",
-    /// L2 files evicted for space.
-    L2Evictions = "l2_evictions",
-    /// Pages loaded from L2 into L1 for a retrieve.
-    L2Loads = "l2_loads",
-    /// Retrieve loads that waited for L1 space.
-    RetrieveCapacityWaits = "retrieve_capacity_waits",
-    /// Retrieves cancelled before exposing slots.
-    RetrievesCancelled = "retrieves_cancelled",
-    /// L2 reads that proved a page lost (missing or corrupt file).
-    L2CorruptOrMissing = "l2_corrupt_or_missing",
-    /// L2 writes that failed.
-    L2WriteErrors = "l2_write_errors",
-    /// L2 writes skipped because the tier was full.
-    L2SkippedFull = "l2_skipped_full",
-    /// Objects deleted from every tier at zero references.
-    ReclaimedObjects = "reclaimed_objects",
-    /// Generations retired at start-up (an object missing or corrupt).
-    RestartRetired = "restart_retired",
-    /// Clears performed.
-    Clears = "clears",
+named_enum! {
+    /// An event the service counts; each is a status value of its name.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum Counter {
+        /// `find` answered a manifest.
+        FindHits = "find_hits",
+        /// `find` answered nothing.
+        FindMisses = "find_misses",
+        /// `begin` refused a generation an aborted attempt of which still drains.
+        BeginDraining = "begin_draining",
+        /// `begin` refused a duplicate (identical generation pending or listed) or found no capacity.
+        BeginSuppressed = "begin_suppressed",
+        /// Pending generations aborted because nothing happened for `abandoned_after`.
+        AbandonedGenerations = "abandoned_generations",
+        /// Store pages reused without a copy (already resident).
+        StorePagesReused = "store_pages_reused",
+        /// Store pages leased for a copy.
+        StorePagesNew = "store_pages_new",
+        /// Bytes exposed to store copies.
+        StoreBytesLeased = "store_bytes_leased",
+        /// Bytes committed by successful store finishes.
+        StoreBytesCommitted = "store_bytes_committed",
+        /// Store admissions that had to wait for space.
+        AdmissionWaits = "admission_waits",
+        /// Admission attempts repeated after a wait.
+        AdmissionRetries = "admission_retries",
+        /// Store admissions that succeeded after waiting for evictions.
+        AdmissionSuccessAfterEviction = "admission_success_after_eviction",
+        /// Store admissions that gave up on space (a `capacity` miss).
+        AdmissionTimeouts = "admission_timeouts",
+        /// Store admissions answered `busy`.
+        AdmissionBusy = "admission_busy",
+        /// Generations published (every rank committed).
+        Published = "published",
+        /// Retrieves whose slots were exposed (restores served).
+        Hits = "hits",
+        /// Listed generations dropped for space (directory capacity, or their only copy evicted).
+        Evictions = "evictions",
+        /// L1 copies evicted.
+        L1Evictions = "l1_evictions",
+        /// L2 files evicted for space.
+        L2Evictions = "l2_evictions",
+        /// Pages loaded from L2 into L1 for a retrieve.
+        L2Loads = "l2_loads",
+        /// Retrieve loads that waited for L1 space.
+        RetrieveCapacityWaits = "retrieve_capacity_waits",
+        /// Retrieves cancelled before exposing slots.
+        RetrievesCancelled = "retrieves_cancelled",
+        /// L2 reads that proved a page lost (missing or corrupt file).
+        L2CorruptOrMissing = "l2_corrupt_or_missing",
+        /// L2 writes that failed.
+        L2WriteErrors = "l2_write_errors",
+        /// L2 writes skipped because the tier was full.
+        L2SkippedFull = "l2_skipped_full",
+        /// Objects deleted from every tier at zero references.
+        ReclaimedObjects = "reclaimed_objects",
+        /// Generations retired at start-up (an object missing or corrupt).
+        RestartRetired = "restart_retired",
+        /// Clears performed.
+        Clears = "clears",
+    }
 }
 
 /// The counts of every [`Counter`] and every [`MissReason`].

@@ -138,26 +138,13 @@ pub(super) fn poll_retrieve(
 /// Unknown ids are a no-op; a lease not yet exposed is an error.
 pub(super) fn finish_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u32>) -> Result<()> {
     let mut st = inner.lock();
-    let Some(lease_no) = st.lease_number(lease_id) else {
+    let Some(lease) = take_lease(&mut st, lease_id, rank, true)? else {
         return Ok(());
     };
-    match st.retrieve_leases.get(&lease_no) {
-        None => return Ok(()),
-        Some(l) => {
-            check_rank(lease_id, l.rank, rank)?;
-            if !l.exposed {
-                return Err(Error::invalid(
-                    "retrieve lease has no exposed slots yet: poll it until ready, or cancel it",
-                ));
-            }
-        }
+    for key in &lease.keys {
+        st.touch(key);
     }
-    if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
-        for key in &lease.keys {
-            st.touch(key);
-        }
-        release_readers(&mut st, &lease);
-    }
+    release_readers(&mut st, &lease);
     Ok(())
 }
 
@@ -165,25 +152,40 @@ pub(super) fn finish_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u
 /// generation. Unknown ids are a no-op; an exposed lease must be finished.
 pub(super) fn cancel_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u32>) -> Result<()> {
     let mut st = inner.lock();
-    let Some(lease_no) = st.lease_number(lease_id) else {
+    let Some(lease) = take_lease(&mut st, lease_id, rank, false)? else {
         return Ok(());
     };
-    match st.retrieve_leases.get(&lease_no) {
-        None => return Ok(()),
-        Some(l) => {
-            check_rank(lease_id, l.rank, rank)?;
-            if l.exposed {
-                return Err(Error::invalid(
-                    "retrieve lease already exposed its slots: finish it after the copy drained",
-                ));
-            }
-        }
-    }
-    if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
-        release_readers(&mut st, &lease);
-        st.count(Counter::RetrievesCancelled, 1);
-    }
+    release_readers(&mut st, &lease);
+    st.count(Counter::RetrievesCancelled, 1);
     Ok(())
+}
+
+/// Removes the retrieve lease `lease_id` for finishing (`exposed`) or
+/// cancelling (`!exposed`): None when unknown; an error when another rank
+/// names it or it is in the other state (finish an exposed lease, cancel
+/// one that exposed nothing).
+fn take_lease(
+    st: &mut State,
+    lease_id: &str,
+    rank: Option<u32>,
+    exposed: bool,
+) -> Result<Option<RetrieveLease>> {
+    let Some(lease_no) = st.lease_number(lease_id) else {
+        return Ok(None);
+    };
+    let Some(lease) = st.retrieve_leases.get(&lease_no) else {
+        return Ok(None);
+    };
+    check_rank(lease_id, lease.rank, rank)?;
+    match (lease.exposed, exposed) {
+        (false, true) => Err(Error::invalid(
+            "retrieve lease has no exposed slots yet: poll it until ready, or cancel it",
+        )),
+        (true, false) => Err(Error::invalid(
+            "retrieve lease already exposed its slots: finish it after the copy drained",
+        )),
+        _ => Ok(st.retrieve_leases.remove(&lease_no)),
+    }
 }
 
 /// Drops a retrieve lease's readers (objects may become reclaimable).
