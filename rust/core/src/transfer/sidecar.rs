@@ -147,22 +147,16 @@ fn call_async(api: &(impl CheckpointsAsync + ?Sized), call: LeaseCall) -> Box<dy
     }
 }
 
-/// Makes implementations of the protocol usable as a [`LeaseApi`]: the
-/// RPC client (the sidecar in another process) and the in-process service.
-macro_rules! lease_api_via_protocol {
-    ($($ty:ty),*) => {$(
-        impl LeaseApi for $ty {
-            fn capabilities(&self) -> Result<Capabilities> {
-                Checkpoints::capabilities(self)
-            }
-            fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
-                call_async(self, call)
-            }
-        }
-    )*};
+/// Every implementation of the protocol is a [`LeaseApi`]: the RPC client
+/// (the sidecar in another process) and the in-process service alike.
+impl<T: CheckpointsAsync> LeaseApi for T {
+    fn capabilities(&self) -> Result<Capabilities> {
+        Checkpoints::capabilities(self)
+    }
+    fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
+        call_async(self, call)
+    }
 }
-
-lease_api_via_protocol!(crate::rpc::Client, crate::service::CheckpointService);
 
 impl<T: LeaseApi + ?Sized> LeaseApi for Arc<T> {
     fn capabilities(&self) -> Result<Capabilities> {
