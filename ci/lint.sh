@@ -12,6 +12,8 @@ ruff check lmcache_rc tests_py tests_vllm ci
 ruff format --check lmcache_rc tests_py tests_vllm ci
 echo "== mypy --strict"
 mypy --strict lmcache_rc
+echo "== lmcache_rc/errors.py is generated from the core's error table"
+python ci/gen_errors.py --check
 echo "== stubtest (lmcache_rc/_native.pyi vs the built module)"
 python -m mypy.stubtest lmcache_rc._native --allowlist ci/stubtest-allowlist.txt
 echo "lint: clean"

@@ -3,8 +3,9 @@
 Sub-commands:
 
 - ``serve``: run the checkpoint sidecar in the foreground until SIGTERM/SIGINT
-  (then drain and exit 0). Every :class:`~lmcache_rc.config.ServerConfig` field
-  is a flag (``--l1-bytes``...) and an environment variable (``LMCACHE_RC_L1_BYTES``).
+  (then drain and exit 0). Every :class:`~lmcache_rc.config.ServerConfig` setting
+  is a flag (``--l1-bytes``...; generated, with its help, from
+  ``ServerConfig.fields()``) and an environment variable (``LMCACHE_RC_L1_BYTES``).
 - ``status [--json]``, ``clear [--force] [--all-tiers]``, ``inspect [--json]``:
   talk to a running sidecar over its socket.
 - ``identity``: print the namespace, token roots and generation id of a prompt.
@@ -21,13 +22,12 @@ Exit codes: 0 success, 1 operation failed, 2 bad input, 3 sidecar unreachable,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lmcache_rc as rc
@@ -90,57 +90,42 @@ def _cmd_identity(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(text: str) -> int:
-    """Parses a byte count with an optional K/M/G/T suffix (binary units)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def _add_server_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per ServerConfig field (defaults come from the environment)."""
-    for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        doc = _FIELD_HELP.get(f.name, "")
-        if "int" in kind and "bytes" in f.name:
-            p.add_argument(flag, type=_size, default=None, help=doc + " (e.g. 4G)")
-        elif "int" in kind and "float" not in kind:
-            p.add_argument(flag, type=int, default=None, help=doc)
-        elif "float" in kind:
-            p.add_argument(flag, type=float, default=None, help=doc + " (seconds)")
-        else:
-            p.add_argument(flag, default=None, help=doc)
-
-
-_FIELD_HELP = {
-    "socket": "Unix socket path of the sidecar",
-    "shm_name": "shared-memory pool name (default: derived from --socket)",
-    "l1_bytes": "size of the shared-memory (L1) pool",
-    "checkpoint_index_path": "SQLite file of the durable directory (default: in memory)",
-    "l2_path": "directory of the filesystem (L2) tier (default: none)",
-    "l2_bytes": "capacity of the L2 tier (default: unlimited)",
-    "http_host": "address of the HTTP admin API",
-    "http_port": "port of the HTTP admin API (0 = pick a free port, -1 = off)",
-    "max_entries": "most published generations listed",
-    "max_pending": "most generations pending at once",
-    "max_leases": "most live worker leases",
-    "store_admission_timeout": "how long a store waits for L1 space",
-    "retrieve_timeout": "how long a retrieve may stay pending",
-    "abandoned_after": "abort pending generations older than this",
-    "l2_io_threads": "threads writing and reading L2 files",
+_KIND_HINTS = {
+    "bytes": " (bytes; K, M, G, T suffixes, e.g. 4G)",
+    "seconds": " (seconds)",
 }
 
 
+def _flag_parser(name: str, kind: str) -> Callable[[str], object]:
+    """Parses a flag's text as the setting ``name`` (argparse ``type=``)."""
+
+    def parse(text: str) -> object:
+        return ServerConfig.parse(name, text)
+
+    parse.__name__ = kind  # argparse names the kind in its error message
+    return parse
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig setting, help from its documentation. A flag
+    not given is absent from the namespace: the environment, then the
+    setting's default, apply."""
+    for name, kind, optional, doc in ServerConfig.fields():
+        hint = _KIND_HINTS.get(kind, "") + (" or none" if optional else "")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=_flag_parser(name, kind),
+            default=argparse.SUPPRESS,
+            metavar=kind.upper(),
+            help=doc + hint,
+        )
+
+
 def _config_from(args: argparse.Namespace) -> ServerConfig:
-    overrides = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(ServerConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    return ServerConfig.from_env(**overrides)
+    """Defaults, then the environment, then the flags given (``none`` unsets)."""
+    given = {name: getattr(args, name) for name, *_ in ServerConfig.fields() if hasattr(args, name)}
+    unset = {name: None for name, value in given.items() if value is None}
+    return ServerConfig.from_env(**given).replace(**unset)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -182,10 +167,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
-    misses = status.pop("misses", {})
-    width = max(len(k) for k in status)
-    for key in sorted(status):
-        print(f"{key:<{width}}  {status[key]}")
+    values = {key: value for key, value in status.items() if key != "misses"}
+    width = max(len(k) for k in values)
+    for key, value in sorted(values.items()):
+        print(f"{key:<{width}}  {value}")
+    misses = status["misses"]
     print("misses" + "".join(f"\n  {k}: {v}" for k, v in sorted(misses.items())) or "")
     return 0
 
@@ -197,8 +183,8 @@ def _cmd_clear(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
-        for key in sorted(report):
-            print(f"{key}: {report[key]}")
+        for key, value in sorted(report.items()):
+            print(f"{key}: {value}")
     return 0
 
 

@@ -485,19 +485,19 @@ class _Demo:
         )
         cfg2 = config(2)
         client = self.start_server(cfg2)
-        restarted = dict(client.status())
+        restarted = client.status()
         self.report.phases["after_restart"] = {
             "shm_name": cfg2.shm_name,
-            "generations": int(restarted.get("generations", 0)),
-            "l1_objects": int(restarted.get("l1_objects", 0)),
-            "l2_objects": int(restarted.get("l2_objects", 0)),
-            "restart_retired": int(restarted.get("restart_retired", 0)),
+            "generations": restarted["generations"],
+            "l1_objects": restarted["l1_objects"],
+            "l2_objects": restarted["l2_objects"],
+            "restart_retired": restarted["restart_retired"],
         }
         out.line(
             f"{self.elapsed()} sidecar restarted on the same directory and L2 path "
-            f"(new pool {cfg2.shm_name}): {restarted.get('generations', 0)} generations "
-            f"listed, {restarted.get('l1_objects', 0)} objects in RAM, "
-            f"{restarted.get('l2_objects', 0)} on disk"
+            f"(new pool {cfg2.shm_name}): {restarted['generations']} generations "
+            f"listed, {restarted['l1_objects']} objects in RAM, "
+            f"{restarted['l2_objects']} on disk"
         )
 
         # 4. replay on a fresh engine

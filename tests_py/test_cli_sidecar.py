@@ -79,12 +79,11 @@ def sidecar(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, list[s
 
 
 def test_every_server_config_field_is_a_serve_flag() -> None:
-    import dataclasses
-
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    flags = {a.dest for a in serve._actions}
-    for field in dataclasses.fields(ServerConfig):
-        assert field.name in flags, field.name
+    helps = {a.dest: a.help for a in serve._actions}
+    for name, _kind, _optional, doc in ServerConfig.fields():
+        assert name in helps, name
+        assert helps[name] and helps[name].startswith(doc), name
 
 
 def test_status_inspect_and_clear_talk_to_a_running_sidecar(

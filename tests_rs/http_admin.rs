@@ -5,6 +5,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 
 use lmcache_rc_core::http::{HttpAdmin, route};
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
@@ -72,22 +73,22 @@ fn forced_clear_is_refused_with_409_while_a_lease_is_live() {
     assert!(svc.begin(&m).unwrap());
     let lease = svc.prepare_store(&m, 0).unwrap();
     assert_eq!(lease.status, LeaseStatus::Ready);
-    let (code, _, body) = route("POST", "/clear?force=true", &svc);
+    let (code, _, body) = route("POST", "/clear?force=true", &*svc);
     assert_eq!(code, 409, "{body}");
-    let (code, _, body) = route("POST", "/clear?force=false", &svc);
+    let (code, _, body) = route("POST", "/clear?force=false", &*svc);
     assert_eq!(code, 200, "{body}");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert!(report["cleared"]["kept_objects"].as_u64().unwrap() >= 3);
     write_slots(&svc, &m, 0, &lease);
     assert!(
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     assert!(
         retrieve_rank(&svc, &m, 0),
         "non-forced clear kept the leased pages"
     );
-    let (code, _, _) = route("POST", "/clear?force=true&all_tiers=true", &svc);
+    let (code, _, _) = route("POST", "/clear?force=true&all_tiers=true", &*svc);
     assert_eq!(code, 200);
     assert_eq!(svc.status().unwrap().values["l1_objects"], 0);
     assert_idle(&svc);

@@ -1,6 +1,9 @@
 //! The one integration-test binary of `lmcache-rc-core` (wired up in
 //! `rust/core/Cargo.toml`). Each module tests one area through the crate's
-//! public API; names follow the rule they check.
+//! public API; names follow the rule they check. Service scenarios run both
+//! in process and over the socket (`service_common::Target`).
+// Tests report failures by panicking.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod common;
 mod http_admin;
@@ -19,18 +22,18 @@ mod rpc_restart;
 mod rpc_server;
 mod rpc_stress;
 mod rpc_wire;
-mod service_716;
-mod service_725;
-mod service_acceptance;
 mod service_basic;
 mod service_capacity;
 mod service_clear;
 mod service_common;
 mod service_crash;
 mod service_faults;
+mod service_lease_rules;
+mod service_overlapping_stores;
 mod service_races;
 mod service_restart;
 mod service_scenarios;
+mod service_write_once;
 mod store_alloc;
 mod store_l2;
 mod store_shm;
@@ -38,8 +41,8 @@ mod transfer_common;
 mod transfer_cuda;
 mod transfer_faults;
 mod transfer_regions;
+mod transfer_hazards;
 mod transfer_remap;
-mod transfer_review;
 mod transfer_roundtrip;
 mod transfer_skip;
 mod transfer_validation;

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::wire::{self, Reply, Request};
 use lmcache_rc_core::rpc::{Client, ClientConfig, Server, ServerConfig};
 use lmcache_rc_core::service::{Lease, LeaseStatus, ServiceConfig};
@@ -112,7 +113,7 @@ pub fn store_rank(client: &Client, pool: &ShmPool, m: &Manifest, rank: u32) -> b
     );
     fill(pool, m, rank, &lease);
     client
-        .finish_store(lease.lease_id.as_deref().unwrap(), true)
+        .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap()
 }
 
@@ -129,7 +130,7 @@ pub fn store_all(client: &Client, pool: &ShmPool, m: &Manifest) {
 pub fn poll_done(client: &Client, id: &str) -> Lease {
     let deadline = Instant::now() + HANG_GUARD;
     loop {
-        let l = client.poll_retrieve(id).unwrap();
+        let l = client.poll_retrieve(id, None).unwrap();
         if l.status != LeaseStatus::Pending {
             return l;
         }
@@ -166,15 +167,15 @@ pub fn restore_rank(
 ) -> Result<(), String> {
     let begun = client.begin_retrieve(m, rank).unwrap();
     if begun.status == LeaseStatus::Miss {
-        return Err(begun.reason.unwrap_or("?").to_string());
+        return Err(begun.reason.map_or("?", |r| r.as_str()).to_string());
     }
     let id = begun.lease_id.clone().unwrap();
     let ready = poll_done(client, &id);
     if ready.status == LeaseStatus::Miss {
-        return Err(ready.reason.unwrap_or("?").to_string());
+        return Err(ready.reason.map_or("?", |r| r.as_str()).to_string());
     }
     check_slots(pool, m, rank, &ready);
-    client.finish_retrieve(&id).unwrap();
+    client.finish_retrieve(&id, None).unwrap();
     Ok(())
 }
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::{Checkpoints, CheckpointsAsync};
 use lmcache_rc_core::rpc::wire::{self, Request};
 use lmcache_rc_core::rpc::{Client, ClientConfig, Server, ServerConfig};
 use lmcache_rc_core::service::LeaseStatus;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::{Checkpoints, CheckpointsAsync, MissReason};
 use lmcache_rc_core::rpc::wire::{self, Reply, Request, Value, WireManifest, WirePrefix};
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::LeaseStatus;
@@ -301,20 +302,20 @@ fn typed_errors_cross_the_wire() {
     assert!(c.begin(&m).unwrap());
     let e = c.prepare_store(&m, 4).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
-    let e = c.poll_retrieve("no-such-lease").unwrap_err();
+    let e = c.poll_retrieve("no-such-lease", None).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
     let lease = prepare(&c, &m, 0);
     let e = c.clear(true, false).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::LeasesLive, "{e}");
     fill(&pool, &m, 0, &lease);
     assert!(
-        !c.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        !c.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     // Unknown leases: finish_store is false, finish/cancel of a retrieve no-ops.
-    assert!(!c.finish_store("nope", true).unwrap());
-    c.finish_retrieve("nope").unwrap();
-    c.cancel_retrieve("nope").unwrap();
+    assert!(!c.finish_store("nope", true, None).unwrap());
+    c.finish_retrieve("nope", None).unwrap();
+    c.cancel_retrieve("nope", None).unwrap();
     c.abort(m.generation()).unwrap();
     assert_idle(&c);
 }
@@ -337,7 +338,7 @@ fn a_lease_outlives_the_connection_that_obtained_it() {
     let s = b.status().unwrap();
     assert_eq!(s.values["store_leases"], 1, "{s:?}");
     fill(&pool, &m, 0, &slots);
-    assert!(b.finish_store(&store_id, true).unwrap(), "publishes");
+    assert!(b.finish_store(&store_id, true, None).unwrap(), "publishes");
     assert_eq!(
         b.find(std::slice::from_ref(m.prefix())).unwrap(),
         Some(m.clone())
@@ -354,7 +355,7 @@ fn a_lease_outlives_the_connection_that_obtained_it() {
     };
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(b.status().unwrap().values["retrieve_leases"], 1);
-    b.finish_retrieve(&retrieve_id).unwrap();
+    b.finish_retrieve(&retrieve_id, None).unwrap();
     assert_idle(&b);
     assert_eq!(rig.server.service().unreferenced_objects(), 0);
 }
@@ -406,7 +407,7 @@ fn async_calls_resolve_and_keep_their_result() {
     );
     let lease = c.prepare_store_async(&m, 0).wait(None).unwrap();
     fill(&pool, &m, 0, &lease);
-    let finishing = c.finish_store_async(lease.lease_id.as_deref().unwrap(), true);
+    let finishing = c.finish_store_async(lease.lease_id.as_deref().unwrap(), true, None);
     let finding = c.find_async(std::slice::from_ref(m.prefix()));
     assert!(finishing.wait(None).unwrap());
     // Pipelined on one connection: find was sent after finish.
@@ -414,7 +415,7 @@ fn async_calls_resolve_and_keep_their_result() {
     let caps = c.capabilities_async().wait(None).unwrap();
     assert_eq!(caps.protocol_version, wire::PROTOCOL_VERSION);
     let e = c
-        .poll_retrieve_async("missing")
+        .poll_retrieve_async("missing", None)
         .wait(Some(Duration::from_secs(30)))
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
@@ -449,14 +450,14 @@ fn a_waiting_prepare_store_does_not_block_the_connection() {
     );
     // Failing the big store frees its slots; the waiter gets them.
     assert!(
-        !c.finish_store(held.lease_id.as_deref().unwrap(), false)
+        !c.finish_store(held.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     let lease = waiting.wait(Some(Duration::from_secs(15))).unwrap();
     assert_eq!(lease.status, LeaseStatus::Ready, "{lease:?}");
     fill(&pool, &small, 0, &lease);
     assert!(
-        c.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        c.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     assert_idle(&c);
@@ -526,11 +527,11 @@ fn graceful_shutdown_stops_admission_and_drains_leases() {
     let miss = c.begin_retrieve(&m, 0).unwrap();
     assert_eq!(
         (miss.status, miss.reason),
-        (LeaseStatus::Miss, Some("shutdown"))
+        (LeaseStatus::Miss, Some(MissReason::Shutdown))
     );
     assert!(!stopping.is_finished(), "waits for the exposed lease");
     check_slots(&pool, &m, 0, &ready);
-    c.finish_retrieve(&id).unwrap();
+    c.finish_retrieve(&id, None).unwrap();
     let report = stopping.join().unwrap().unwrap();
     assert!(report.drained, "{report:?}");
     assert_eq!(report.live_leases, 0);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::Client;
 use lmcache_rc_core::service::LeaseStatus;
 use lmcache_rc_core::store::shm::ShmPool;
@@ -65,7 +66,7 @@ fn work(client: &Client, pool: &ShmPool, thread: u32) -> u64 {
                 }
                 fill(pool, &m, rank, &lease);
                 let published = client
-                    .finish_store(lease.lease_id.as_deref().unwrap(), true)
+                    .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
                     .unwrap();
                 calls += 1;
                 if published {

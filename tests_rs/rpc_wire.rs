@@ -372,7 +372,7 @@ fn handshake_negotiates_the_highest_common_version() {
 
 #[test]
 fn error_replies_keep_their_kind_across_the_wire() {
-    for kind in ErrorKind::ALL {
+    for &kind in ErrorKind::ALL {
         let e: lmcache_rc_core::Error = WireError {
             kind: kind.as_str().into(),
             message: "m".into(),

@@ -1,13 +1,17 @@
 //! Basic store → publish → find → retrieve round trips through the service.
 
 use lmcache_rc_core::TokenRoots;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::service::LeaseStatus;
 
 use crate::service_common::*;
 
-#[test]
-fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact() {
-    let svc = CheckpointService::open(config("basic", None)).unwrap();
+both_ways!(
+    four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact,
+    exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages,
+);
+
+fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exact<T: Target>() {
+    let svc = T::open(config("basic", None)).unwrap();
     let tokens: Vec<u32> = (0..100).collect();
     let m = manifest(&tokens, 4, 8192, 16);
     assert!(svc.begin(&m).unwrap());
@@ -30,9 +34,8 @@ fn four_rank_generation_publishes_only_after_the_last_rank_and_restores_byte_exa
     svc.close().unwrap();
 }
 
-#[test]
-fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages() {
-    let svc = CheckpointService::open(config("replay", None)).unwrap();
+fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages<T: Target>() {
+    let svc = T::open(config("replay", None)).unwrap();
     let tokens: Vec<u32> = (0..64).collect();
     let m = manifest(&tokens, 2, 4096, 16);
     assert!(svc.begin(&m).unwrap());
@@ -51,7 +54,7 @@ fn exact_replay_is_suppressed_at_begin_and_continuation_copies_only_new_pages() 
         // recurrent page and the auxiliary page are new.
         assert_eq!(new_pages, 3, "rank {rank}: {:?}", lease.slots);
         write_slots(&svc, &m2, rank, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     assert!(retrieve_rank(&svc, &m2, 0));

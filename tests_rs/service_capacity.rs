@@ -6,9 +6,18 @@
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::protocol::MissReason;
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
+
+both_ways!(
+    store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages,
+    a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed,
+    a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity,
+    store_admission_succeeds_once_a_lease_releases_space_during_its_wait,
+    a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable,
+);
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
 fn pool_filler(base: u32) -> Manifest {
@@ -31,9 +40,10 @@ fn small(base: u32) -> Manifest {
     build_manifest(NS, &seq(base, 32), 1, &groups, 2, "prompt")
 }
 
-#[test]
-fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages() {
-    let svc = CheckpointService::open(config("cap-full", None)).unwrap();
+fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages<
+    T: Target,
+>() {
+    let svc = T::open(config("cap-full", None)).unwrap();
     let filler = pool_filler(40_000);
     store_all(&svc, &filler);
     let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
@@ -47,7 +57,7 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     assert!(svc.begin(&m).unwrap());
     let miss = svc.prepare_store(&m, 0).unwrap();
     assert_eq!(miss.status, LeaseStatus::Miss);
-    assert_eq!(miss.reason, Some("capacity"));
+    assert_eq!(miss.reason, Some(MissReason::Capacity));
     assert_eq!(misses(&svc, "capacity"), 1);
     assert_eq!(stat(&svc, "admission_waits"), 1);
     assert_eq!(stat(&svc, "admission_timeouts"), 1);
@@ -59,7 +69,7 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     }
     assert!(is_listed(&svc, &filler));
     for lease in &leases {
-        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
     assert_idle(&svc);
@@ -72,14 +82,13 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     svc.close().unwrap();
 }
 
-#[test]
-fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         store_admission_timeout: HANG_GUARD,
         ..config("cap-wait", Some(dir.path()))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let filler = pool_filler(42_000);
     store_all(&svc, &filler);
     settle(&svc);
@@ -93,7 +102,7 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
                 std::thread::sleep(Duration::from_millis(1));
             }
             for lease in &leases {
-                svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+                svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
                     .unwrap();
             }
         });
@@ -112,14 +121,13 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         retrieve_timeout: Duration::from_millis(300),
         ..config("cap-restore", Some(dir.path()))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let on_disk = small(44_000);
     store_all(&svc, &on_disk);
     settle(&svc);
@@ -132,7 +140,7 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
     assert!(is_listed(&svc, &on_disk), "no RAM is not proof of loss");
     for (rank, lease) in leases.iter().enumerate() {
         check_slots(&svc, &filler, rank as u32, lease);
-        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
     settle(&svc);
@@ -141,8 +149,7 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity() {
+fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(46_000, 48), "prompt", 2);
@@ -154,7 +161,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
         checkpoint_index_path: Some(dir.path().join("index.sqlite")),
         ..config("cap-l2", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg.clone()).unwrap();
+    let svc = T::open(cfg.clone()).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert_eq!(l2_files(&l2), expected_l2([&a]));
@@ -174,7 +181,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     assert_idle(&svc);
     svc.close().unwrap();
     drop(svc);
-    let svc = CheckpointService::open(ServiceConfig {
+    let svc = T::open(ServiceConfig {
         shm_name: shm_name("cap-l2-reopen"),
         ..cfg
     })
@@ -184,8 +191,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     svc.close().unwrap();
 }
 
-#[test]
-fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable() {
+fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(48_000, 48), "prompt", 2);
@@ -194,7 +200,7 @@ fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable() {
         l2_bytes: Some(one_generation / 2),
         ..config("cap-l2-small", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert!(is_listed(&svc, &a), "published from RAM");

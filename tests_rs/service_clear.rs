@@ -6,13 +6,19 @@
 //! live and otherwise drops everything.
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::service::LeaseStatus;
 
 use crate::service_common::*;
 
-#[test]
-fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations() {
-    let svc = CheckpointService::open(config("clr-l1", None)).unwrap();
+both_ways!(
+    nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations,
+    forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything,
+    nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them,
+    clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed,
+);
+
+fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generations<T: Target>() {
+    let svc = T::open(config("clr-l1", None)).unwrap();
     let read = standard(NS, &seq(50_000, 48), "prompt", 2);
     let unleased = standard(NS, &seq(51_000, 48), "prompt", 2);
     let pending = standard(NS, &seq(52_000, 48), "prompt", 2);
@@ -41,11 +47,11 @@ fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generatio
     assert_eq!(stat(&svc, "pending"), 1);
     // The read lease keeps exact bytes until it finishes.
     check_slots(&svc, &read, 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     // The pending generation kept what it needs and publishes.
     assert!(
-        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     for rank in 2..4 {
@@ -58,10 +64,9 @@ fn nonforced_clear_keeps_leased_and_pinned_objects_and_retires_l1_only_generatio
     svc.close().unwrap();
 }
 
-#[test]
-fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them() {
+fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("clr-l2", Some(dir.path()))).unwrap();
+    let svc = T::open(config("clr-l2", Some(dir.path()))).unwrap();
     let m = standard(NS, &seq(53_000, 48), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -83,11 +88,10 @@ fn nonforced_clear_keeps_l2_backed_generations_and_retrieve_reloads_them() {
     svc.close().unwrap();
 }
 
-#[test]
-fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed() {
+fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("clr-all", Some(&l2))).unwrap();
+    let svc = T::open(config("clr-all", Some(&l2))).unwrap();
     let a = standard(NS, &seq(54_000, 48), "prompt", 2);
     let b = standard(NS, &seq(55_000, 48), "prompt", 2);
     store_all(&svc, &a);
@@ -102,7 +106,7 @@ fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed() {
     assert_eq!(report.l2_objects, 28 + 21, "{report:?}");
     assert!(!is_listed(&svc, &a) && !is_listed(&svc, &b));
     check_slots(&svc, &b, 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     settle(&svc);
     assert_eq!(l2_files(&l2), (0, 0));
@@ -113,11 +117,10 @@ fn clear_all_tiers_deletes_l2_objects_and_retires_what_they_backed() {
     svc.close().unwrap();
 }
 
-#[test]
-fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything() {
+fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everything<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("clr-force", Some(&l2))).unwrap();
+    let svc = T::open(config("clr-force", Some(&l2))).unwrap();
     let durable = standard(NS, &seq(56_000, 48), "prompt", 2);
     store_all(&svc, &durable);
     settle(&svc);
@@ -131,7 +134,7 @@ fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everythin
     assert_eq!(err.kind(), ErrorKind::LeasesLive);
     assert!(err.to_string().contains("1 store"), "{err}");
     assert!(
-        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(writing.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     // So does a retrieve lease, exposed or not.
@@ -140,7 +143,7 @@ fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everythin
         svc.clear(true, true).unwrap_err().kind(),
         ErrorKind::LeasesLive
     );
-    svc.finish_retrieve(exposed.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(exposed.lease_id.as_deref().unwrap(), None)
         .unwrap();
     svc.clear(false, false).unwrap();
     let lookup = svc.begin_retrieve(&durable, 1).unwrap();
@@ -149,7 +152,7 @@ fn forced_clear_is_refused_while_any_lease_is_live_and_otherwise_drops_everythin
         svc.clear(true, false).unwrap_err().kind(),
         ErrorKind::LeasesLive
     );
-    svc.cancel_retrieve(lookup.lease_id.as_deref().unwrap())
+    svc.cancel_retrieve(lookup.lease_id.as_deref().unwrap(), None)
         .unwrap();
     settle(&svc);
     // A refused clear changed nothing.

@@ -1,11 +1,192 @@
 //! Helpers for service tests: unique pool names, manifests with schema-2
 //! payloads, and a simulated worker that copies through lease slots.
+//!
+//! Every helper is generic over [`Target`]: the same scenario runs on the
+//! in-process [`CheckpointService`] and on [`Remote`] — a server on a private
+//! socket, driven through an RPC client, with the pool mapped the way a
+//! worker maps it. A scenario is written once as `fn name<T: Target>()` and
+//! [`both_ways!`] runs it both ways (tests `name::in_process` and
+//! `name::over_the_socket`).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use lmcache_rc_core::protocol::Checkpoints;
+use lmcache_rc_core::protocol::{Capabilities, ClearReport, GenerationInfo, ServiceStatus};
+use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation};
+
+/// Runs each scenario `fn name<T: Target>()` of the calling module twice:
+/// as `name::in_process` on a [`CheckpointService`] and as
+/// `name::over_the_socket` on a [`Remote`].
+macro_rules! both_ways {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn in_process() {
+                super::$name::<lmcache_rc_core::service::CheckpointService>();
+            }
+            #[test]
+            fn over_the_socket() {
+                super::$name::<crate::service_common::Remote>();
+            }
+        }
+    )*};
+}
+pub(crate) use both_ways;
+
+/// What a service scenario runs against: the operation set, the pool as
+/// the copying side sees it, and the service behind it for the checks no
+/// client can make (unreferenced objects, the L2 queue, close).
+pub trait Target: Checkpoints + Sized + Sync {
+    /// Serves an opened service.
+    fn serve(service: CheckpointService) -> lmcache_rc_core::Result<Self>;
+    /// Opens a target with these service settings.
+    fn open(config: ServiceConfig) -> lmcache_rc_core::Result<Self> {
+        Self::serve(CheckpointService::open(config)?)
+    }
+    /// Opens a target whose L2 tier uses `fs` (fault injection).
+    fn open_with_fs(
+        config: ServiceConfig,
+        fs: std::sync::Arc<dyn lmcache_rc_core::store::l2::Fs>,
+        progress: &mut dyn FnMut(usize),
+    ) -> lmcache_rc_core::Result<Self> {
+        Self::serve(CheckpointService::open_with_fs(config, fs, progress)?)
+    }
+    /// The SHM pool, mapped the way the copying side maps it.
+    fn pool(&self) -> &ShmPool;
+    /// The service itself.
+    fn service(&self) -> &CheckpointService;
+    /// Objects nothing references or holds (0 at idle, I7).
+    fn unreferenced_objects(&self) -> usize {
+        self.service().unreferenced_objects()
+    }
+    /// Waits for the L2 queue to drain.
+    fn wait_l2_idle(&self, timeout: Duration) -> bool {
+        self.service().wait_l2_idle(timeout)
+    }
+    /// Closes the service (refused while leases are live).
+    fn close(&self) -> lmcache_rc_core::Result<()> {
+        self.service().close()
+    }
+}
+
+/// Anything that leads to a [`Target`]: a target, or the `Arc` a test
+/// shares a service through (helpers take either).
+pub trait AsTarget {
+    /// The target.
+    type Target: Target;
+    /// The target itself.
+    fn target(&self) -> &Self::Target;
+}
+
+impl<T: Target> AsTarget for T {
+    type Target = T;
+    fn target(&self) -> &T {
+        self
+    }
+}
+
+impl AsTarget for std::sync::Arc<CheckpointService> {
+    type Target = CheckpointService;
+    fn target(&self) -> &CheckpointService {
+        self
+    }
+}
+
+impl Target for CheckpointService {
+    fn serve(service: CheckpointService) -> lmcache_rc_core::Result<Self> {
+        Ok(service)
+    }
+    fn pool(&self) -> &ShmPool {
+        CheckpointService::pool(self)
+    }
+    fn service(&self) -> &CheckpointService {
+        self
+    }
+}
+
+/// A service behind a server on a private socket, driven through a client;
+/// the pool is the client's own mapping of the announced segment.
+pub struct Remote {
+    client: Client,
+    pool: ShmPool,
+    server: Server,
+    _dir: tempfile::TempDir,
+}
+
+impl Target for Remote {
+    fn serve(service: CheckpointService) -> lmcache_rc_core::Result<Self> {
+        let dir = tempfile::tempdir().map_err(|e| lmcache_rc_core::Error::io("tempdir", e))?;
+        let socket = dir.path().join("svc.sock");
+        let server = Server::start(std::sync::Arc::new(service), ServerConfig::new(&socket))?;
+        let client = Client::connect(&socket)?;
+        let caps = Checkpoints::capabilities(&client)?;
+        let pool = ShmPool::open(&caps.shm_name, caps.pool_size)?;
+        Ok(Remote {
+            client,
+            pool,
+            server,
+            _dir: dir,
+        })
+    }
+    fn pool(&self) -> &ShmPool {
+        &self.pool
+    }
+    fn service(&self) -> &CheckpointService {
+        self.server.service()
+    }
+}
+
+/// Every operation goes over the socket.
+impl Checkpoints for Remote {
+    fn capabilities(&self) -> lmcache_rc_core::Result<Capabilities> {
+        Checkpoints::capabilities(&self.client)
+    }
+    fn find(&self, roots: &[lmcache_rc_core::Prefix]) -> lmcache_rc_core::Result<Option<Manifest>> {
+        self.client.find(roots)
+    }
+    fn begin(&self, manifest: &Manifest) -> lmcache_rc_core::Result<bool> {
+        self.client.begin(manifest)
+    }
+    fn abort(&self, generation: &str) -> lmcache_rc_core::Result<()> {
+        self.client.abort(generation)
+    }
+    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
+        self.client.prepare_store(manifest, rank)
+    }
+    fn finish_store(
+        &self,
+        lease_id: &str,
+        success: bool,
+        rank: Option<u32>,
+    ) -> lmcache_rc_core::Result<bool> {
+        self.client.finish_store(lease_id, success, rank)
+    }
+    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
+        self.client.begin_retrieve(manifest, rank)
+    }
+    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<Lease> {
+        self.client.poll_retrieve(lease_id, rank)
+    }
+    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
+        self.client.finish_retrieve(lease_id, rank)
+    }
+    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
+        self.client.cancel_retrieve(lease_id, rank)
+    }
+    fn status(&self) -> lmcache_rc_core::Result<ServiceStatus> {
+        self.client.status()
+    }
+    fn clear(&self, force: bool, all_tiers: bool) -> lmcache_rc_core::Result<ClearReport> {
+        self.client.clear(force, all_tiers)
+    }
+    fn list_generations(&self) -> lmcache_rc_core::Result<Vec<GenerationInfo>> {
+        self.client.list_generations()
+    }
+}
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -82,7 +263,8 @@ pub fn page_bytes(rank: u32, group: usize, index: usize, len: u64, seed: &str) -
 
 /// Stores one rank: prepare (retrying busy), write every exposed slot, finish.
 /// Returns (published, bytes copied).
-pub fn store_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> (bool, u64) {
+pub fn store_rank(svc: &impl AsTarget, m: &Manifest, rank: u32) -> (bool, u64) {
+    let svc = svc.target();
     let lease = loop {
         let lease = svc.prepare_store(m, rank).unwrap();
         if lease.status != LeaseStatus::Busy {
@@ -97,13 +279,14 @@ pub fn store_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> (bool, u6
     );
     let copied = write_slots(svc, m, rank, &lease);
     let published = svc
-        .finish_store(lease.lease_id.as_deref().unwrap(), true)
+        .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap();
     (published, copied)
 }
 
 /// Writes the expected bytes into a store lease's slots.
-pub fn write_slots(svc: &CheckpointService, m: &Manifest, rank: u32, lease: &Lease) -> u64 {
+pub fn write_slots(svc: &impl AsTarget, m: &Manifest, rank: u32, lease: &Lease) -> u64 {
+    let svc = svc.target();
     let schema = m.payload_schema().unwrap();
     let mut copied = 0;
     for (g, slots) in lease.slots.iter().enumerate() {
@@ -121,14 +304,15 @@ pub fn write_slots(svc: &CheckpointService, m: &Manifest, rank: u32, lease: &Lea
 }
 
 /// Retrieves one rank and checks every byte; returns false on a miss.
-pub fn retrieve_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> bool {
+pub fn retrieve_rank(svc: &impl AsTarget, m: &Manifest, rank: u32) -> bool {
+    let svc = svc.target();
     let lease = svc.begin_retrieve(m, rank).unwrap();
     if lease.status == LeaseStatus::Miss {
         return false;
     }
     let id = lease.lease_id.clone().unwrap();
     let ready = loop {
-        let l = svc.poll_retrieve(&id).unwrap();
+        let l = svc.poll_retrieve(&id, None).unwrap();
         match l.status {
             LeaseStatus::Pending => std::thread::sleep(Duration::from_millis(1)),
             LeaseStatus::Ready => break l,
@@ -151,12 +335,13 @@ pub fn retrieve_rank(svc: &CheckpointService, m: &Manifest, rank: u32) -> bool {
             );
         }
     }
-    svc.finish_retrieve(&id).unwrap();
+    svc.finish_retrieve(&id, None).unwrap();
     true
 }
 
 /// The idle invariant (I7): no leases, no pins, no unreferenced objects.
-pub fn assert_idle(svc: &CheckpointService) {
+pub fn assert_idle(svc: &impl AsTarget) {
+    let svc = svc.target();
     let s = svc.status().unwrap();
     let v = |k: &str| s.values.get(k).copied().unwrap_or(0);
     assert_eq!(v("store_leases"), 0, "store leases at idle: {s:?}");
@@ -353,7 +538,8 @@ pub fn object_bytes(key: &ObjectKey, len: u64) -> Vec<u8> {
 
 /// Writes every exposed slot of a store lease with its page's bytes; returns
 /// the bytes copied (deduplicated `None` slots copy nothing).
-pub fn fill(svc: &CheckpointService, m: &Manifest, rank: u32, lease: &Lease) -> u64 {
+pub fn fill(svc: &impl AsTarget, m: &Manifest, rank: u32, lease: &Lease) -> u64 {
+    let svc = svc.target();
     let keys = rank_keys(m, rank);
     assert_eq!(lease.slots.len(), keys.len(), "one slot list per group");
     let mut copied = 0;
@@ -376,7 +562,8 @@ pub fn fill(svc: &CheckpointService, m: &Manifest, rank: u32, lease: &Lease) -> 
 pub const HANG_GUARD: Duration = Duration::from_secs(30);
 
 /// prepare_store, retrying `busy` (hang guard); returns the first non-busy answer.
-pub fn prepare(svc: &CheckpointService, m: &Manifest, rank: u32) -> Lease {
+pub fn prepare(svc: &impl AsTarget, m: &Manifest, rank: u32) -> Lease {
+    let svc = svc.target();
     let deadline = Instant::now() + HANG_GUARD;
     loop {
         let lease = svc.prepare_store(m, rank).unwrap();
@@ -389,7 +576,8 @@ pub fn prepare(svc: &CheckpointService, m: &Manifest, rank: u32) -> Lease {
 }
 
 /// Stores one rank (prepare, fill, finish true); returns (published, bytes copied).
-pub fn store_one(svc: &CheckpointService, m: &Manifest, rank: u32) -> (bool, u64) {
+pub fn store_one(svc: &impl AsTarget, m: &Manifest, rank: u32) -> (bool, u64) {
+    let svc = svc.target();
     let lease = prepare(svc, m, rank);
     assert_eq!(
         lease.status,
@@ -398,14 +586,15 @@ pub fn store_one(svc: &CheckpointService, m: &Manifest, rank: u32) -> (bool, u64
     );
     let copied = fill(svc, m, rank, &lease);
     let published = svc
-        .finish_store(lease.lease_id.as_deref().unwrap(), true)
+        .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap();
     (published, copied)
 }
 
 /// Begins and stores every rank; asserts that only the last rank publishes.
 /// Returns the bytes copied.
-pub fn store_all(svc: &CheckpointService, m: &Manifest) -> u64 {
+pub fn store_all(svc: &impl AsTarget, m: &Manifest) -> u64 {
+    let svc = svc.target();
     assert!(svc.begin(m).unwrap(), "begin {}", m.generation());
     let mut copied = 0;
     for rank in 0..m.world_size() {
@@ -417,10 +606,11 @@ pub fn store_all(svc: &CheckpointService, m: &Manifest) -> u64 {
 }
 
 /// Polls a retrieve lease until it is not pending (hang guard).
-pub fn poll_done(svc: &CheckpointService, id: &str) -> Lease {
+pub fn poll_done(svc: &impl AsTarget, id: &str) -> Lease {
+    let svc = svc.target();
     let deadline = Instant::now() + HANG_GUARD;
     loop {
-        let l = svc.poll_retrieve(id).unwrap();
+        let l = svc.poll_retrieve(id, None).unwrap();
         if l.status != LeaseStatus::Pending {
             return l;
         }
@@ -430,7 +620,8 @@ pub fn poll_done(svc: &CheckpointService, id: &str) -> Lease {
 }
 
 /// Checks the bytes behind every slot of a ready retrieve lease.
-pub fn check_slots(svc: &CheckpointService, m: &Manifest, rank: u32, lease: &Lease) {
+pub fn check_slots(svc: &impl AsTarget, m: &Manifest, rank: u32, lease: &Lease) {
+    let svc = svc.target();
     assert_eq!(lease.status, LeaseStatus::Ready);
     let keys = rank_keys(m, rank);
     let schema = m.payload_schema().unwrap();
@@ -452,7 +643,8 @@ pub fn check_slots(svc: &CheckpointService, m: &Manifest, rank: u32, lease: &Lea
 }
 
 /// Opens a retrieve and polls it to ready (panics on a miss); the caller finishes it.
-pub fn open_read(svc: &CheckpointService, m: &Manifest, rank: u32) -> Lease {
+pub fn open_read(svc: &impl AsTarget, m: &Manifest, rank: u32) -> Lease {
+    let svc = svc.target();
     let begun = svc.begin_retrieve(m, rank).unwrap();
     assert_eq!(
         begun.status,
@@ -466,23 +658,25 @@ pub fn open_read(svc: &CheckpointService, m: &Manifest, rank: u32) -> Lease {
 }
 
 /// Restores one rank and checks every byte; `Err(reason)` on a miss.
-pub fn restore(svc: &CheckpointService, m: &Manifest, rank: u32) -> Result<(), String> {
+pub fn restore(svc: &impl AsTarget, m: &Manifest, rank: u32) -> Result<(), String> {
+    let svc = svc.target();
     let begun = svc.begin_retrieve(m, rank).unwrap();
     if begun.status == LeaseStatus::Miss {
-        return Err(begun.reason.unwrap_or("?").to_string());
+        return Err(begun.reason.map_or("?", |r| r.as_str()).to_string());
     }
     let id = begun.lease_id.clone().unwrap();
     let ready = poll_done(svc, &id);
     if ready.status == LeaseStatus::Miss {
-        return Err(ready.reason.unwrap_or("?").to_string());
+        return Err(ready.reason.map_or("?", |r| r.as_str()).to_string());
     }
     check_slots(svc, m, rank, &ready);
-    svc.finish_retrieve(&id).unwrap();
+    svc.finish_retrieve(&id, None).unwrap();
     Ok(())
 }
 
 /// Restores every rank byte-exact (panics on any miss).
-pub fn restore_all(svc: &CheckpointService, m: &Manifest) {
+pub fn restore_all(svc: &impl AsTarget, m: &Manifest) {
+    let svc = svc.target();
     for rank in 0..m.world_size() {
         if let Err(reason) = restore(svc, m, rank) {
             panic!("{} rank {rank} missed: {reason}", m.generation());
@@ -491,17 +685,20 @@ pub fn restore_all(svc: &CheckpointService, m: &Manifest) {
 }
 
 /// Whether `m` is the listed generation of its exact prefix.
-pub fn is_listed(svc: &CheckpointService, m: &Manifest) -> bool {
+pub fn is_listed(svc: &impl AsTarget, m: &Manifest) -> bool {
+    let svc = svc.target();
     svc.find(std::slice::from_ref(m.prefix())).unwrap().as_ref() == Some(m)
 }
 
 /// A status value (0 when absent).
-pub fn stat(svc: &CheckpointService, key: &str) -> u64 {
+pub fn stat(svc: &impl AsTarget, key: &str) -> u64 {
+    let svc = svc.target();
     svc.status().unwrap().values.get(key).copied().unwrap_or(0)
 }
 
 /// Misses counted for `reason`.
-pub fn misses(svc: &CheckpointService, reason: &str) -> u64 {
+pub fn misses(svc: &impl AsTarget, reason: &str) -> u64 {
+    let svc = svc.target();
     svc.status()
         .unwrap()
         .misses
@@ -553,7 +750,8 @@ pub fn expected_l2<'a>(listed: impl IntoIterator<Item = &'a Manifest>) -> (u64, 
 }
 
 /// Waits for the L2 queue to drain (hang guard).
-pub fn settle(svc: &CheckpointService) {
+pub fn settle(svc: &impl AsTarget) {
+    let svc = svc.target();
     assert!(svc.wait_l2_idle(HANG_GUARD), "L2 queue did not drain");
 }
 

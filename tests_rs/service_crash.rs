@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 
 use crate::service_common::*;

@@ -8,18 +8,29 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
 use crate::service_common::*;
+
+both_ways!(
+    a_rank_reporting_failure_after_the_others_committed_prevents_publication,
+    an_aborted_generation_is_staged_again_only_after_its_leases_drain,
+    a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does,
+    abandoned_unfinished_write_pages_are_rewritten_not_reused,
+    l2_write_errors_leave_the_generation_published_from_l1_but_not_durable,
+    a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1,
+    a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation,
+    a_byte_flipped_while_reading_l2_is_caught_by_the_checksum,
+    an_l2_read_error_is_a_miss_that_keeps_the_generation_listed,
+);
 
 fn tokens() -> Vec<u32> {
     seq(31_000, 48)
 }
 
-#[test]
-fn a_rank_reporting_failure_after_the_others_committed_prevents_publication() {
-    let svc = CheckpointService::open(config("f-lastrank", None)).unwrap();
+fn a_rank_reporting_failure_after_the_others_committed_prevents_publication<T: Target>() {
+    let svc = T::open(config("f-lastrank", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     for rank in 0..3 {
@@ -28,7 +39,7 @@ fn a_rank_reporting_failure_after_the_others_committed_prevents_publication() {
     let lease = prepare(&svc, &m, 3);
     fill(&svc, &m, 3, &lease);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert!(!is_listed(&svc, &m));
@@ -47,14 +58,13 @@ fn a_rank_reporting_failure_after_the_others_committed_prevents_publication() {
     svc.close().unwrap();
 }
 
-#[test]
-fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
-    let svc = CheckpointService::open(config("f-restage", None)).unwrap();
+fn an_aborted_generation_is_staged_again_only_after_its_leases_drain<T: Target>() {
+    let svc = T::open(config("f-restage", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     let leases: Vec<_> = (0..4).map(|rank| prepare(&svc, &m, rank)).collect();
     assert!(
-        !svc.finish_store(leases[1].lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(leases[1].lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     // Ranks 0, 2 and 3 are still copying into the aborted attempt.
@@ -65,7 +75,7 @@ fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
     for rank in [0usize, 2, 3] {
         fill(&svc, &m, rank as u32, &leases[rank]);
         assert!(
-            !svc.finish_store(leases[rank].lease_id.as_deref().unwrap(), true)
+            !svc.finish_store(leases[rank].lease_id.as_deref().unwrap(), true, None)
                 .unwrap()
         );
         assert!(!is_listed(&svc, &m));
@@ -77,9 +87,8 @@ fn an_aborted_generation_is_staged_again_only_after_its_leases_drain() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does() {
-    let svc = CheckpointService::open(config("f-hung", None)).unwrap();
+fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does<T: Target>() {
+    let svc = T::open(config("f-hung", None)).unwrap();
     let listed = standard(NS, &seq(32_000, 40), "prompt", 2);
     store_all(&svc, &listed);
     let m = standard(NS, &tokens(), "prompt", 2);
@@ -110,7 +119,7 @@ fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does() {
     }
     // Once the worker finishes, the generation publishes and close works.
     assert!(
-        svc.finish_store(hung.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(hung.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     restore_all(&svc, &m);
@@ -118,13 +127,12 @@ fn a_worker_that_never_finishes_keeps_its_lease_and_pages_until_it_does() {
     svc.close().unwrap();
 }
 
-#[test]
-fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
+fn abandoned_unfinished_write_pages_are_rewritten_not_reused<T: Target>() {
     let cfg = ServiceConfig {
         abandoned_after: Some(Duration::from_millis(50)),
         ..config("f-abandoned", None)
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let abandoned = standard(NS, &tokens(), "instruction", 2);
     assert!(svc.begin(&abandoned).unwrap());
     let hung = prepare(&svc, &abandoned, 0);
@@ -142,7 +150,7 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
     // The worker finishes late: its pages are discarded, not committed.
     fill(&svc, &abandoned, 0, &hung);
     assert!(
-        !svc.finish_store(hung.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(hung.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     let lease = prepare(&svc, &next, 0);
@@ -152,7 +160,7 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
         lease.slots
     );
     fill(&svc, &next, 0, &lease);
-    svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+    svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
         .unwrap();
     for rank in 1..4 {
         store_one(&svc, &next, rank);
@@ -163,12 +171,11 @@ fn abandoned_unfinished_write_pages_are_rewritten_not_reused() {
     svc.close().unwrap();
 }
 
-#[test]
-fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable() {
+fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-l2write", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},
@@ -207,12 +214,11 @@ fn l2_write_errors_leave_the_generation_published_from_l1_but_not_durable() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1() {
+fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-fsync", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},
@@ -238,11 +244,10 @@ fn a_failed_l2_fsync_poisons_the_tier_but_generations_still_publish_from_l1() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation() {
+fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("f-corrupt", Some(&l2))).unwrap();
+    let svc = T::open(config("f-corrupt", Some(&l2))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     let other = standard(NS, &seq(35_000, 40), "prompt", 2);
     store_all(&svc, &m);
@@ -276,12 +281,11 @@ fn a_corrupted_l2_file_is_a_clean_miss_that_retires_its_generation() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum() {
+fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-flip", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},
@@ -301,12 +305,11 @@ fn a_byte_flipped_while_reading_l2_is_caught_by_the_checksum() {
     svc.close().unwrap();
 }
 
-#[test]
-fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed() {
+fn an_l2_read_error_is_a_miss_that_keeps_the_generation_listed<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("f-readerr", Some(&l2)),
         Arc::new(faulty.clone()),
         &mut |_| {},

@@ -6,10 +6,12 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::service::LeaseStatus;
 use lmcache_rc_core::store::l2::{DirEntryInfo, Fs, ReadFile, RealFs, WriteFile};
 
 use crate::service_common::*;
+
+both_ways!(a_page_stored_again_while_its_l2_delete_runs_stays_durable,);
 
 #[derive(Default)]
 struct Gate {
@@ -110,12 +112,11 @@ fn two_rank_generation() -> Manifest {
 /// An object whose L2 delete is still running must not be recreated as if
 /// the old file were its durable copy: the delete would remove the new
 /// generation's only disk copy while the service believes it durable.
-#[test]
-fn a_page_stored_again_while_its_l2_delete_runs_stays_durable() {
+fn a_page_stored_again_while_its_l2_delete_runs_stays_durable<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let fs = GatedFs::default();
-    let svc = CheckpointService::open_with_fs(
+    let svc = T::open_with_fs(
         config("race-del", Some(&l2)),
         Arc::new(fs.clone()),
         &mut |_| {},
@@ -149,7 +150,7 @@ fn a_page_stored_again_while_its_l2_delete_runs_stays_durable() {
             "the page was reclaimed: copy it again"
         );
         fill(&svc, &m, 0, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
         settle(&svc);
         if !released {

@@ -7,24 +7,28 @@
 use std::sync::Arc;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::CheckpointService;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::{L2Tier, RealFs};
 
 use crate::service_common::*;
 
+both_ways!(
+    unreferenced_objects_and_pending_work_are_deleted_at_start_up,
+    generations_with_missing_or_corrupt_object_files_are_retired_at_start_up,
+    without_a_durable_directory_payload_files_are_reclaimed_at_start_up,
+);
+
 fn generation_at(base: u32) -> Manifest {
     standard(NS, &seq(base, 48), "prompt", 2)
 }
 
-#[test]
-fn unreferenced_objects_and_pending_work_are_deleted_at_start_up() {
+fn unreferenced_objects_and_pending_work_are_deleted_at_start_up<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let listed = generation_at(60_000);
     let pending = generation_at(61_000);
     {
-        let svc = CheckpointService::open(durable_config("rs-orphan", dir.path())).unwrap();
+        let svc = T::open(durable_config("rs-orphan", dir.path())).unwrap();
         store_all(&svc, &listed);
         assert!(svc.begin(&pending).unwrap());
         store_one(&svc, &pending, 0);
@@ -40,7 +44,7 @@ fn unreferenced_objects_and_pending_work_are_deleted_at_start_up() {
     }
     assert_eq!(l2_files(&l2).0, 28 + 14 + 1);
 
-    let svc = CheckpointService::open(durable_config("rs-orphan2", dir.path())).unwrap();
+    let svc = T::open(durable_config("rs-orphan2", dir.path())).unwrap();
     assert_eq!(
         stat(&svc, "pending"),
         0,
@@ -60,8 +64,7 @@ fn unreferenced_objects_and_pending_work_are_deleted_at_start_up() {
     svc.close().unwrap();
 }
 
-#[test]
-fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up() {
+fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let missing = generation_at(62_000);
@@ -71,7 +74,7 @@ fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up() {
     let rotten = generation_at(66_000);
     let all = [&missing, &bad_header, &truncated, &intact, &rotten];
     {
-        let svc = CheckpointService::open(durable_config("rs-corrupt", dir.path())).unwrap();
+        let svc = T::open(durable_config("rs-corrupt", dir.path())).unwrap();
         for m in all {
             store_all(&svc, m);
         }
@@ -91,7 +94,7 @@ fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up() {
     *bytes.last_mut().unwrap() ^= 0x01; // payload: the header stays valid
     std::fs::write(&path, &bytes).unwrap();
 
-    let svc = CheckpointService::open(durable_config("rs-corrupt2", dir.path())).unwrap();
+    let svc = T::open(durable_config("rs-corrupt2", dir.path())).unwrap();
     assert_eq!(stat(&svc, "restart_retired"), 3);
     assert_eq!(stat(&svc, "generations"), 2);
     for m in [&missing, &bad_header, &truncated] {
@@ -111,19 +114,18 @@ fn generations_with_missing_or_corrupt_object_files_are_retired_at_start_up() {
     svc.close().unwrap();
 }
 
-#[test]
-fn without_a_durable_directory_payload_files_are_reclaimed_at_start_up() {
+fn without_a_durable_directory_payload_files_are_reclaimed_at_start_up<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let m = generation_at(67_000);
     {
-        let svc = CheckpointService::open(config("rs-ram", Some(&l2))).unwrap();
+        let svc = T::open(config("rs-ram", Some(&l2))).unwrap();
         store_all(&svc, &m);
         settle(&svc);
         svc.close().unwrap();
     }
     assert_eq!(l2_files(&l2).0, 28);
-    let svc = CheckpointService::open(config("rs-ram2", Some(&l2))).unwrap();
+    let svc = T::open(config("rs-ram2", Some(&l2))).unwrap();
     assert_eq!(stat(&svc, "generations"), 0);
     assert_eq!(l2_files(&l2), (0, 0), "unreachable without a manifest");
     assert!(svc.begin(&m).unwrap());

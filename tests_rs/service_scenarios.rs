@@ -1,22 +1,45 @@
-//! The reference scenarios of spec §12.1 (`test_checkpoint_storage.py`) that
-//! apply to an in-process service, with the standard manifest (world 4;
-//! 128/256/64/96-byte page groups). Each test is named after the rule it checks.
+//! The reference scenarios of the storage spec (§12.1) with the standard
+//! manifest (world 4; 128/256/64/96-byte page groups). Each scenario is named
+//! after the rule it checks and runs twice: on the service in process and
+//! over the socket (see `service_common::Target`).
 
 use std::collections::HashSet;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::{Checkpoints, MissReason};
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
+
+both_ways!(
+    publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes,
+    a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again,
+    shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish,
+    cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation,
+    content_addressed_pages_skip_resident_duplicate_copies,
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_commits,
+    content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts,
+    a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it,
+    lease_budget_never_recycles_live_copy_buffers,
+    payload_capacity_miss_preserves_a_read_leased_checkpoint,
+    nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease,
+    nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease,
+    a_failed_rank_prevents_publication_after_other_ranks_complete,
+    a_rank_cannot_replace_the_staged_payload_layout,
+    a_missing_page_invalidates_the_bundle_and_releases_other_read_locks,
+    generation_namespace_and_rank_have_disjoint_payload_keys,
+    checkpoint_pages_are_individually_evictable_except_leased_ones,
+    sustained_stores_reclaim_capacity_without_losing_a_read,
+    filesystem_restore_after_directory_and_storage_restart,
+);
 
 fn tokens() -> Vec<u32> {
     seq(1000, 48)
 }
 
-#[test]
-fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes() {
-    let svc = CheckpointService::open(config("sc-roundtrip", None)).unwrap();
-    let caps = svc.capabilities();
+fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_bytes<T: Target>() {
+    let svc = T::open(config("sc-roundtrip", None)).unwrap();
+    let caps = svc.capabilities().unwrap();
     assert_eq!(caps.format_version, 1);
     assert_eq!(caps.shm_name, svc.pool().name());
     assert_eq!(caps.pool_size, 4 << 20);
@@ -40,7 +63,7 @@ fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_byte
     assert_eq!(err.kind(), ErrorKind::LeasesLive);
     assert!(err.to_string().contains("drain"), "{err}");
     assert_eq!(stat(&svc, "retrieve_leases"), 1);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     assert_eq!(stat(&svc, "retrieve_leases"), 0);
     assert_eq!(stat(&svc, "store_leases"), 0);
@@ -48,9 +71,8 @@ fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_byte
     svc.close().unwrap();
 }
 
-#[test]
-fn content_addressed_pages_skip_resident_duplicate_copies() {
-    let svc = CheckpointService::open(config("sc-dedup", None)).unwrap();
+fn content_addressed_pages_skip_resident_duplicate_copies<T: Target>() {
+    let svc = T::open(config("sc-dedup", None)).unwrap();
     let first = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &first);
     // A continuation: the three full attention pages (boundaries 16, 32, 48)
@@ -66,7 +88,7 @@ fn content_addressed_pages_skip_resident_duplicate_copies() {
         }
         assert_eq!(fill(&svc, &second, rank, &lease), 256 + 2 * 64 + 96);
         let published = svc
-            .finish_store(lease.lease_id.as_deref().unwrap(), true)
+            .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
         assert_eq!(published, rank == 3);
     }
@@ -105,7 +127,7 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
     assert_eq!(stat(&svc, "pending"), 2);
 
     let id = writer.lease_id.as_deref().unwrap();
-    assert!(!svc.finish_store(id, first_succeeds).unwrap());
+    assert!(!svc.finish_store(id, first_succeeds, None).unwrap());
     let lease = prepare(&svc, &second, 0);
     assert_eq!(lease.status, LeaseStatus::Ready);
     if first_succeeds {
@@ -123,7 +145,7 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
     }
     fill(&svc, &second, 0, &lease);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     for rank in 1..4 {
@@ -152,25 +174,22 @@ fn coalesce_with_inflight_writer(first_succeeds: bool) {
     svc.close().unwrap();
 }
 
-#[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits() {
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_commits<T: Target>() {
     coalesce_with_inflight_writer(true);
 }
 
-#[test]
-fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts() {
+fn content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts<T: Target>() {
     coalesce_with_inflight_writer(false);
 }
 
-#[test]
-fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
-    let svc = CheckpointService::open(config("sc-copyfail", None)).unwrap();
+fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it<T: Target>() {
+    let svc = T::open(config("sc-copyfail", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     // Drained failure: the worker finishes the lease as failed.
     assert!(svc.begin(&m).unwrap());
     let lease = prepare(&svc, &m, 0);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert_eq!(stat(&svc, "store_leases"), 0);
@@ -189,7 +208,7 @@ fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
     assert!(!is_listed(&svc, &m));
     // Once the copy is proven drained the lease can be finished and close works.
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert_eq!(stat(&svc, "pending"), 0);
@@ -197,13 +216,12 @@ fn a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it() {
     svc.close().unwrap();
 }
 
-#[test]
-fn lease_budget_never_recycles_live_copy_buffers() {
+fn lease_budget_never_recycles_live_copy_buffers<T: Target>() {
     let cfg = lmcache_rc_core::service::ServiceConfig {
         max_leases: 1,
         ..config("sc-budget", None)
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let published = standard(NS, &tokens(), "instruction", 2);
     store_all(&svc, &published);
     let m = standard(NS, &seq(5000, 40), "prompt", 2);
@@ -215,10 +233,10 @@ fn lease_budget_never_recycles_live_copy_buffers() {
     // The live store blocks a retrieve and another rank's prepare.
     let retrieve = svc.begin_retrieve(&published, 0).unwrap();
     assert_eq!(retrieve.status, LeaseStatus::Miss);
-    assert_eq!(retrieve.reason, Some("lease_budget"));
+    assert_eq!(retrieve.reason, Some(MissReason::LeaseBudget));
     let other = svc.prepare_store(&m, 1).unwrap();
     assert_eq!(other.status, LeaseStatus::Miss);
-    assert_eq!(other.reason, Some("lease_budget"));
+    assert_eq!(other.reason, Some(MissReason::LeaseBudget));
     assert_eq!(
         stat(&svc, "pending"),
         0,
@@ -239,7 +257,7 @@ fn lease_budget_never_recycles_live_copy_buffers() {
         }
     }
     assert!(
-        !svc.finish_store(live.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(live.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     // With the lease finished, a lookup is admitted again; the aborted one misses.
@@ -254,16 +272,17 @@ fn lease_budget_never_recycles_live_copy_buffers() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again() {
-    let svc = CheckpointService::open(config("sc-commitfail", None)).unwrap();
+fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_staged_again<
+    T: Target,
+>() {
+    let svc = T::open(config("sc-commitfail", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     store_one(&svc, &m, 0);
     let lease = prepare(&svc, &m, 1);
     assert!(stat(&svc, "l1_bytes") > 0);
     assert!(
-        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+        !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
             .unwrap()
     );
     assert!(!is_listed(&svc, &m));
@@ -282,9 +301,8 @@ fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_s
     svc.close().unwrap();
 }
 
-#[test]
-fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
-    let svc = CheckpointService::open(config("sc-oversized", None)).unwrap();
+fn payload_capacity_miss_preserves_a_read_leased_checkpoint<T: Target>() {
+    let svc = T::open(config("sc-oversized", None)).unwrap();
     let pinned = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &pinned);
     let lease = open_read(&svc, &pinned, 0);
@@ -300,7 +318,7 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
     assert!(svc.begin(&oversized).unwrap());
     let miss = svc.prepare_store(&oversized, 0).unwrap();
     assert_eq!(miss.status, LeaseStatus::Miss);
-    assert_eq!(miss.reason, Some("capacity"));
+    assert_eq!(miss.reason, Some(MissReason::Capacity));
     assert!(!is_listed(&svc, &oversized));
     assert_eq!(stat(&svc, "pending"), 0);
     // The read-leased generation stays listed and its bytes intact.
@@ -309,7 +327,7 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
         is_listed(&svc, &pinned),
         "the existing checkpoint was retired"
     );
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     restore_all(&svc, &pinned);
     // A replacement of the same prefix publishes normally.
@@ -322,10 +340,9 @@ fn payload_capacity_miss_preserves_a_read_leased_checkpoint() {
     svc.close().unwrap();
 }
 
-#[test]
-fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish() {
+fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("sc-readlease", Some(dir.path()))).unwrap();
+    let svc = T::open(config("sc-readlease", Some(dir.path()))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -340,7 +357,7 @@ fn shm_roundtrip_of_all_ranks_and_groups_keeps_read_leased_pages_until_finish() 
     );
     for (rank, lease) in leases.iter().enumerate() {
         check_slots(&svc, &m, rank as u32, lease);
-        svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
     // After finish every page can be deleted from L1.
@@ -384,10 +401,10 @@ fn nonforced_clear_preserves_read_and_write_leases(expose_slots: bool) {
     if let Some(l) = exposed {
         assert_eq!(l.slots, ready.slots);
     }
-    svc.finish_retrieve(&read_id).unwrap();
+    svc.finish_retrieve(&read_id, None).unwrap();
     // Finishing the write lease commits its pages; the generation needs 3 more ranks.
     assert!(
-        !svc.finish_store(wlease.lease_id.as_deref().unwrap(), true)
+        !svc.finish_store(wlease.lease_id.as_deref().unwrap(), true, None)
             .unwrap()
     );
     for rank in 1..4 {
@@ -403,19 +420,16 @@ fn nonforced_clear_preserves_read_and_write_leases(expose_slots: bool) {
     svc.close().unwrap();
 }
 
-#[test]
-fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease() {
+fn nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease<T: Target>() {
     nonforced_clear_preserves_read_and_write_leases(false);
 }
 
-#[test]
-fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease() {
+fn nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease<T: Target>() {
     nonforced_clear_preserves_read_and_write_leases(true);
 }
 
-#[test]
-fn a_failed_rank_prevents_publication_after_other_ranks_complete() {
-    let svc = CheckpointService::open(config("sc-failedrank", None)).unwrap();
+fn a_failed_rank_prevents_publication_after_other_ranks_complete<T: Target>() {
+    let svc = T::open(config("sc-failedrank", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     let leases: Vec<_> = (0..4).map(|rank| prepare(&svc, &m, rank)).collect();
@@ -423,7 +437,7 @@ fn a_failed_rank_prevents_publication_after_other_ranks_complete() {
         fill(&svc, &m, rank as u32, lease);
         let ok = rank != 1;
         let published = svc
-            .finish_store(lease.lease_id.as_deref().unwrap(), ok)
+            .finish_store(lease.lease_id.as_deref().unwrap(), ok, None)
             .unwrap();
         assert!(!published, "rank {rank} must not publish");
     }
@@ -440,9 +454,8 @@ fn a_failed_rank_prevents_publication_after_other_ranks_complete() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_rank_cannot_replace_the_staged_payload_layout() {
-    let svc = CheckpointService::open(config("sc-layout", None)).unwrap();
+fn a_rank_cannot_replace_the_staged_payload_layout<T: Target>() {
+    let svc = T::open(config("sc-layout", None)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     assert!(svc.begin(&m).unwrap());
     store_one(&svc, &m, 0);
@@ -469,11 +482,10 @@ fn a_rank_cannot_replace_the_staged_payload_layout() {
     svc.close().unwrap();
 }
 
-#[test]
-fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks() {
+fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("sc-missing", Some(&l2))).unwrap();
+    let svc = T::open(config("sc-missing", Some(&l2))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     let other = standard(NS, &seq(9000, 40), "prompt", 2);
     store_all(&svc, &m);
@@ -487,7 +499,7 @@ fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks() {
     assert_eq!(restore(&svc, &m, 2).unwrap_err(), "lost_object");
     assert!(!is_listed(&svc, &m), "the generation is delisted");
     check_slots(&svc, &m, 1, &held);
-    svc.finish_retrieve(held.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(held.lease_id.as_deref().unwrap(), None)
         .unwrap();
     assert_eq!(restore(&svc, &m, 0).unwrap_err(), "not_listed");
     // Nothing of the retired generation remains in either tier.
@@ -500,10 +512,9 @@ fn a_missing_page_invalidates_the_bundle_and_releases_other_read_locks() {
     svc.close().unwrap();
 }
 
-#[test]
-fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation() {
+fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generation<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("sc-cancel", Some(dir.path()))).unwrap();
+    let svc = T::open(config("sc-cancel", Some(dir.path()))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -514,14 +525,14 @@ fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generat
         let begun = svc.begin_retrieve(&m, 3).unwrap();
         assert_eq!(begun.status, LeaseStatus::Pending);
         let id = begun.lease_id.unwrap();
-        svc.cancel_retrieve(&id).unwrap();
+        svc.cancel_retrieve(&id, None).unwrap();
         assert_eq!(stat(&svc, "retrieve_leases"), 0);
         // The lease is gone: a late poll is refused, never a hit.
         assert_eq!(
-            svc.poll_retrieve(&id).unwrap_err().kind(),
+            svc.poll_retrieve(&id, None).unwrap_err().kind(),
             ErrorKind::NotFound
         );
-        svc.cancel_retrieve(&id).unwrap();
+        svc.cancel_retrieve(&id, None).unwrap();
         assert!(svc.wait_l2_idle(HANG_GUARD));
         assert!(is_listed(&svc, &m), "cancel never invalidates");
         assert_idle(&svc);
@@ -535,8 +546,7 @@ fn cancelling_a_pending_lookup_drains_its_locks_without_invalidating_the_generat
     svc.close().unwrap();
 }
 
-#[test]
-fn generation_namespace_and_rank_have_disjoint_payload_keys() {
+fn generation_namespace_and_rank_have_disjoint_payload_keys<T: Target>() {
     for schema in [1u8, 2] {
         let m = standard(NS, &tokens(), "prompt", schema);
         let other_generation = standard(NS, &seq(2000, 48), "prompt", schema);
@@ -576,10 +586,9 @@ fn generation_namespace_and_rank_have_disjoint_payload_keys() {
     );
 }
 
-#[test]
-fn checkpoint_pages_are_individually_evictable_except_leased_ones() {
+fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
-    let svc = CheckpointService::open(config("sc-lru", Some(dir.path()))).unwrap();
+    let svc = T::open(config("sc-lru", Some(dir.path()))).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -597,7 +606,7 @@ fn checkpoint_pages_are_individually_evictable_except_leased_ones() {
     store_all(&svc, &big);
     assert_eq!(stat(&svc, "l1_objects"), free_pages + 7);
     check_slots(&svc, &m, 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     assert!(
         is_listed(&svc, &m),
@@ -609,9 +618,8 @@ fn checkpoint_pages_are_individually_evictable_except_leased_ones() {
     svc.close().unwrap();
 }
 
-#[test]
-fn sustained_stores_reclaim_capacity_without_losing_a_read() {
-    let svc = CheckpointService::open(config("sc-sustained", None)).unwrap();
+fn sustained_stores_reclaim_capacity_without_losing_a_read<T: Target>() {
+    let svc = T::open(config("sc-sustained", None)).unwrap();
     let groups = vec![GroupSpec::new(
         "target.attention.0",
         128 << 10,
@@ -631,26 +639,25 @@ fn sustained_stores_reclaim_capacity_without_losing_a_read() {
     assert_eq!(misses(&svc, "capacity"), 0);
     assert_eq!(stat(&svc, "admission_timeouts"), 0);
     check_slots(&svc, &gens[0], 0, &lease);
-    svc.finish_retrieve(lease.lease_id.as_deref().unwrap())
+    svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
         .unwrap();
     restore_all(&svc, &gens[15]);
     assert_idle(&svc);
     svc.close().unwrap();
 }
 
-#[test]
-fn filesystem_restore_after_directory_and_storage_restart() {
+fn filesystem_restore_after_directory_and_storage_restart<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     {
-        let svc = CheckpointService::open(durable_config("sc-restart", dir.path())).unwrap();
-        assert!(svc.capabilities().durable_index);
+        let svc = T::open(durable_config("sc-restart", dir.path())).unwrap();
+        assert!(svc.capabilities().unwrap().durable_index);
         store_all(&svc, &m);
         settle(&svc);
         assert_idle(&svc);
         svc.close().unwrap();
     }
-    let svc = CheckpointService::open(durable_config("sc-restart2", dir.path())).unwrap();
+    let svc = T::open(durable_config("sc-restart2", dir.path())).unwrap();
     assert_eq!(
         svc.find(std::slice::from_ref(m.prefix())).unwrap().as_ref(),
         Some(&m)

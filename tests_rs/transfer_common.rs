@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use lmcache_rc_core::protocol::{Checkpoints, MissReason};
 use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease, LeaseStatus};
 use lmcache_rc_core::transfer::{
     CpuBackend, Direction, EngineConfig, Job, JobHandle, LeaseAnswer, LeaseApi, LeaseCall, Outcome,
@@ -715,7 +716,7 @@ impl LeaseApi for Scripted {
                     status: LeaseStatus::Busy,
                     lease_id: None,
                     slots: Vec::new(),
-                    reason: Some("busy"),
+                    reason: Some(MissReason::Busy),
                 })),
                 0,
             ),

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use lmcache_rc_core::service::Lease;
+use lmcache_rc_core::protocol::{Checkpoints, Lease};
 use lmcache_rc_core::transfer::{
     CpuBackend, Direction, EngineConfig, Fault, Job, LeaseApi, PageLayout, PoolShape,
     RegionTemplate, TransferEngine, plan,

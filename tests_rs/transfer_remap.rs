@@ -11,6 +11,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::ServiceConfig;
 use lmcache_rc_core::store::shm::ShmPool;

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::Client;
 use lmcache_rc_core::service::CheckpointService;
 use lmcache_rc_core::transfer::{

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus};
 use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::transfer::{Direction, EngineConfig, PageLayout, plan};
@@ -279,7 +280,7 @@ fn a_lease_is_checked_against_the_pool_the_capabilities_name() {
         plan_with(&v2).unwrap_err().kind(),
         ErrorKind::UnsupportedFormat
     );
-    svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+    svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
         .unwrap();
     assert_idle(&svc);
 }

@@ -761,6 +761,16 @@ class Engine:
             if out is None or not out.total_num_scheduled_tokens:
                 time.sleep(0.001)
 
+    def step_until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Step until ``done()`` holds; AssertionError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached within {timeout} s")
+            out = self.step()
+            if out is None or not out.total_num_scheduled_tokens:
+                time.sleep(0.001)
+
     def generate(
         self, request_id: str, prompt: Sequence[int], max_tokens: int, **kw: Any
     ) -> list[int]:

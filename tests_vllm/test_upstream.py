@@ -205,11 +205,7 @@ def test_abort_during_async_load_frees_blocks_only_after_copies_drain(
     b.ranks[0].inject_fault("delay", 1, 1.0)  # the restore copy takes a second
     b.add("b", prompt, 2)
     request = b.scheduler.requests["b"]
-    for _ in range(50):
-        b.step()
-        if request.status.name == "WAITING_FOR_REMOTE_KVS":
-            break
-    assert request.status.name == "WAITING_FOR_REMOTE_KVS"
+    b.step_until(lambda: request.status.name == "WAITING_FOR_REMOTE_KVS")
     held = b.total_blocks() - b.free_blocks()
     assert held >= cdiv(96, BS)
     b.abort(["b"])
@@ -245,8 +241,7 @@ def test_abort_with_two_ranks_waits_for_the_slow_rank(make_engine: EngineFactory
     b.ranks[1].inject_fault("delay", 1, 1.0)  # rank 0 finishes at once, rank 1 a second later
     b.add("b", prompt, 2)
     request = b.scheduler.requests["b"]
-    while request.status.name != "WAITING_FOR_REMOTE_KVS":
-        b.step()
+    b.step_until(lambda: request.status.name == "WAITING_FOR_REMOTE_KVS")
     held = b.total_blocks() - b.free_blocks()
     b.abort(["b"])
     for _ in range(20):  # rank 0 reported; vLLM still holds the blocks for rank 1
@@ -276,8 +271,7 @@ def test_sidecar_killed_during_a_restore_recomputes(
         b.ranks[0].inject_fault("delay", 1, 1.0)
         b.add("b", prompt, 3)
         request = b.scheduler.requests["b"]
-        while request.status.name != "WAITING_FOR_REMOTE_KVS":
-            b.step()
+        b.step_until(lambda: request.status.name == "WAITING_FOR_REMOTE_KVS")
         server.kill()  # SIGKILL mid-copy: the lease dies with the sidecar
         server.wait()
         b.run(timeout=60)

@@ -10,6 +10,8 @@
 //! (`checkpoints` only, as an older build leaves it) so the run fits in a few
 //! minutes; opening the directory reconciles them (timed). The last M
 //! generations are published through the API, one SQLite commit each.
+// A benchmark reports on stdout and stops at the first failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::hint::black_box;
 use std::path::Path;

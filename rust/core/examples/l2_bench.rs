@@ -12,6 +12,8 @@
 //! verification) vs raw `File::open` + `read_exact` into a reused buffer,
 //! after `posix_fadvise(DONTNEED)` on every file to drop it from the page
 //! cache. DIR defaults to the system temp dir.
+// A benchmark reports on stdout and stops at the first failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::fs::{self, File};
 use std::io::{Read, Write};

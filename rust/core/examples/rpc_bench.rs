@@ -11,6 +11,8 @@
 //! sizes (one thread writes, reads the reply, repeats; the echo side reads a
 //! frame and writes a frame). The in-process `find` shows the lookup's own
 //! cost. Rounds are interleaved in blocks so drift affects both sides alike.
+// A benchmark reports on stdout and stops at the first failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -18,6 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::wire::{self, Reply, Request, Value, WireManifest, WirePrefix};
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
@@ -58,7 +61,7 @@ fn populate(svc: &CheckpointService, generations: u32) {
         let lease = svc.prepare_store(&m, 0).expect("prepare");
         assert_eq!(lease.status, LeaseStatus::Ready);
         let id = lease.lease_id.expect("lease id");
-        assert!(svc.finish_store(&id, true).expect("finish"));
+        assert!(svc.finish_store(&id, true, None).expect("finish"));
     }
     println!(
         "populated {generations} generations in {:.1} s",

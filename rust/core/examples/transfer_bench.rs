@@ -11,10 +11,13 @@
 //! second pool, through a real RPC server in this process. Also prints a
 //! two-thread memcpy: on a machine whose memory bandwidth one thread nearly
 //! saturates, that is the ceiling for two copy threads.
+// A benchmark reports on stdout and stops at the first failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 use lmcache_rc_core::transfer::{

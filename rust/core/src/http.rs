@@ -19,7 +19,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::error::{Error, Result};
-use crate::service::{CheckpointService, ServiceStatus};
+use crate::protocol::{Checkpoints, ServiceStatus};
 
 /// A running admin server. Stops on [`HttpAdmin::stop`] or drop.
 pub struct HttpAdmin {
@@ -39,7 +39,7 @@ impl std::fmt::Debug for HttpAdmin {
 
 impl HttpAdmin {
     /// Binds `host:port` (port 0 picks a free port) and serves `service`.
-    pub fn start(host: &str, port: u16, service: Arc<CheckpointService>) -> Result<HttpAdmin> {
+    pub fn start(host: &str, port: u16, service: Arc<dyn Checkpoints>) -> Result<HttpAdmin> {
         let server = tiny_http::Server::http((host, port)).map_err(|e| {
             Error::io(
                 format!("bind the HTTP admin API on {host}:{port}"),
@@ -57,7 +57,7 @@ impl HttpAdmin {
             let stopping = stopping.clone();
             std::thread::Builder::new()
                 .name("lmcache-rc-http".into())
-                .spawn(move || serve(&server, &service, &stopping))
+                .spawn(move || serve(&server, &*service, &stopping))
                 .map_err(|e| Error::io("spawn the HTTP admin thread", e))?
         };
         Ok(HttpAdmin {
@@ -94,7 +94,7 @@ impl Drop for HttpAdmin {
     }
 }
 
-fn serve(server: &tiny_http::Server, service: &CheckpointService, stopping: &AtomicBool) {
+fn serve(server: &tiny_http::Server, service: &dyn Checkpoints, stopping: &AtomicBool) {
     while !stopping.load(Ordering::SeqCst) {
         let request = match server.recv_timeout(Duration::from_millis(200)) {
             Ok(Some(request)) => request,
@@ -117,7 +117,7 @@ fn serve(server: &tiny_http::Server, service: &CheckpointService, stopping: &Ato
 }
 
 /// Answers one request: (status code, content type, body).
-pub fn route(method: &str, url: &str, service: &CheckpointService) -> (u16, &'static str, String) {
+pub fn route(method: &str, url: &str, service: &dyn Checkpoints) -> (u16, &'static str, String) {
     const JSON: &str = "application/json";
     let (path, query) = url.split_once('?').unwrap_or((url, ""));
     match (method, path) {
@@ -205,7 +205,7 @@ fn clear_flags(query: &str) -> Result<(bool, bool)> {
 pub fn status_json(status: &ServiceStatus) -> String {
     let mut map = serde_json::Map::new();
     for (k, v) in &status.values {
-        map.insert((*k).to_string(), serde_json::Value::from(*v));
+        map.insert(k.clone(), serde_json::Value::from(*v));
     }
     let misses: serde_json::Map<String, serde_json::Value> = status
         .misses
@@ -228,7 +228,7 @@ pub fn metrics_text(status: &ServiceStatus) -> Result<String> {
         let gauge: Gauge<i64, AtomicI64> = Gauge::default();
         gauge.set(i64::try_from(*value).unwrap_or(i64::MAX));
         registry.register(
-            *name,
+            name,
             format!("lmcache-rc {}", name.replace('_', " ")),
             gauge,
         );

@@ -1,11 +1,13 @@
 //! lmcache-rc core: everything that is not Python glue.
 //!
 //! Modules own one concern each (see `docs/architecture.md`):
+//! - [`config`]: every setting of a sidecar, declared once;
 //! - [`http`]: the sidecar's HTTP admin API (status, metrics, clear);
 //! - [`identity`]: namespaces, token roots, prefixes, page keys, generation ids;
 //! - [`manifest`]: manifests and payload page-group validation;
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
+//! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
@@ -13,12 +15,17 @@
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
+#[macro_use]
+mod macros;
+
+pub mod config;
 pub mod error;
 pub mod http;
 pub mod identity;
 pub mod index;
 pub mod json;
 pub mod manifest;
+pub mod protocol;
 pub mod rpc;
 pub mod service;
 pub mod store;

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList};
 
 use crate::errors::{IntoPyResult, invalid};
+use crate::fork::Owned;
 use crate::identity::{PyManifest, PyPrefix};
 
 /// Reads a capacity: a positive int (bool and float refused, as the reference does).
@@ -38,7 +39,7 @@ fn prefixes(roots: &Bound<'_, PyAny>) -> PyResult<Vec<lmcache_rc_core::Prefix>> 
 /// The directory of published generations (path None = in memory).
 #[pyclass(name = "Directory", module = "lmcache_rc._native", frozen)]
 pub struct PyDirectory {
-    inner: Directory,
+    inner: Owned<Directory>,
 }
 
 #[pymethods]
@@ -65,55 +66,64 @@ impl PyDirectory {
         let inner = py
             .detach(|| Directory::open(path.as_deref(), config))
             .py()?;
-        Ok(PyDirectory { inner })
+        Ok(PyDirectory {
+            inner: Owned::new("Directory", inner),
+        })
     }
 
     /// Stages a manifest; False = identical one pending/published or no capacity.
     fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<bool> {
-        py.detach(|| self.inner.begin(&manifest.inner)).py()
+        let dir = self.inner.get()?;
+        py.detach(|| dir.begin(&manifest.inner)).py()
     }
 
     /// Records that `rank` committed; True only for the call that published.
     fn acknowledge(&self, py: Python<'_>, generation: &str, rank: i64) -> PyResult<bool> {
+        let dir = self.inner.get()?;
         let rank = u32::try_from(rank)
             .map_err(|_| invalid("checkpoint acknowledgement rank is out of range"))?;
-        py.detach(|| self.inner.acknowledge(generation, rank))
+        py.detach(|| dir.acknowledge(generation, rank))
             .py()
             .map(|p| p.published)
     }
 
     /// Drops a pending generation (unknown ids are ignored).
     fn abort(&self, py: Python<'_>, generation: &str) -> PyResult<()> {
-        py.detach(|| self.inner.abort(generation)).py().map(|_| ())
+        let dir = self.inner.get()?;
+        py.detach(|| dir.abort(generation)).py().map(|_| ())
     }
 
     /// Drops pending generations older than `seconds`; returns them.
     fn abort_stale(&self, py: Python<'_>, seconds: f64) -> PyResult<Vec<String>> {
+        let dir = self.inner.get()?;
         if !(seconds.is_finite() && seconds >= 0.0) {
             return Err(invalid(
                 "abort_stale takes a non-negative number of seconds",
             ));
         }
-        py.detach(|| self.inner.abort_stale(Duration::from_secs_f64(seconds)))
+        py.detach(|| dir.abort_stale(Duration::from_secs_f64(seconds)))
             .py()
     }
 
     /// True iff this identical manifest is pending.
     fn is_pending(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<bool> {
-        py.detach(|| self.inner.is_pending(&manifest.inner)).py()
+        let dir = self.inner.get()?;
+        py.detach(|| dir.is_pending(&manifest.inner)).py()
     }
 
     /// The longest published generation matching the roots, or None.
     fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Option<PyManifest>> {
+        let dir = self.inner.get()?;
         let roots = prefixes(roots)?;
-        py.detach(|| self.inner.find(&roots))
+        py.detach(|| dir.find(&roots))
             .py()
             .map(|m| m.map(PyManifest::wrap))
     }
 
     /// Published manifest of a generation, or None (no recency refresh).
     fn get(&self, py: Python<'_>, generation: &str) -> PyResult<Option<PyManifest>> {
-        py.detach(|| self.inner.get(generation))
+        let dir = self.inner.get()?;
+        py.detach(|| dir.get(generation))
             .py()
             .map(|m| m.map(PyManifest::wrap))
     }
@@ -125,15 +135,17 @@ impl PyDirectory {
         roots: &Bound<'_, PyAny>,
         below_tokens: u64,
     ) -> PyResult<Vec<PyManifest>> {
+        let dir = self.inner.get()?;
         let roots = prefixes(roots)?;
-        py.detach(|| self.inner.ancestors(&roots, below_tokens))
+        py.detach(|| dir.ancestors(&roots, below_tokens))
             .py()
             .map(|ms| ms.into_iter().map(PyManifest::wrap).collect())
     }
 
     /// Delists one generation (never its replacement); False if unknown.
     fn invalidate(&self, py: Python<'_>, generation: &str) -> PyResult<bool> {
-        py.detach(|| self.inner.invalidate(generation)).py()
+        let dir = self.inner.get()?;
+        py.detach(|| dir.invalidate(generation)).py()
     }
 
     /// Published generations with durability and bytes, ordered by id.
@@ -144,9 +156,8 @@ impl PyDirectory {
         after: Option<String>,
         limit: usize,
     ) -> PyResult<Bound<'py, PyList>> {
-        let page = py
-            .detach(|| self.inner.list(after.as_deref(), limit))
-            .py()?;
+        let dir = self.inner.get()?;
+        let page = py.detach(|| dir.list(after.as_deref(), limit)).py()?;
         let out = PyList::empty(py);
         for g in page.generations {
             let d = PyDict::new(py);
@@ -161,12 +172,14 @@ impl PyDirectory {
 
     /// Writes recency stamps kept in memory; returns how many.
     fn flush_recency(&self, py: Python<'_>) -> PyResult<usize> {
-        py.detach(|| self.inner.flush_recency()).py()
+        let dir = self.inner.get()?;
+        py.detach(|| dir.flush_recency()).py()
     }
 
     /// Counts: published_generations, pending_generations, published_bytes, ...
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.detach(|| self.inner.status()).py()?;
+        let dir = self.inner.get()?;
+        let s = py.detach(|| dir.status()).py()?;
         let d = PyDict::new(py);
         d.set_item("published_generations", s.published_generations)?;
         d.set_item("pending_generations", s.pending_generations)?;
@@ -180,6 +193,7 @@ impl PyDirectory {
 
     /// Flushes recency, drops pending generations, closes the database.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.close()).py()
+        let dir = self.inner.get()?;
+        py.detach(|| dir.close()).py()
     }
 }

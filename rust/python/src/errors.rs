@@ -1,48 +1,49 @@
 //! The one place where core errors become Python exceptions.
 //!
-//! Every `lmcache_rc_core::Error` variant maps to one class of
-//! `lmcache_rc.errors` (defined in Python so it carries docstrings and is
-//! importable without the extension). Keep this table and `errors.py` in step.
+//! Every `lmcache_rc_core::ErrorKind` has one class in `lmcache_rc.errors`,
+//! named by the core's error table (`ErrorKind::exception`); that module is
+//! generated from the same table (`ci/gen_errors.py`), so the kinds, the
+//! names and the class hierarchy have one owner. The classes are imported
+//! once per interpreter and cached, not on every error.
 
 use lmcache_rc_core::{Error, ErrorKind};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
 
-/// The Python class name in `lmcache_rc.errors` for a core error kind.
-pub fn class_name(kind: ErrorKind) -> &'static str {
-    match kind {
-        ErrorKind::InvalidInput => "InvalidInput",
-        ErrorKind::InvalidType => "InvalidType",
-        ErrorKind::GenerationConflict => "GenerationConflict",
-        ErrorKind::UnsupportedFormat => "UnsupportedFormat",
-        ErrorKind::Closed => "Closed",
-        ErrorKind::Database => "DatabaseError",
-        ErrorKind::Corrupt => "CorruptData",
-        ErrorKind::OutOfSpace => "OutOfSpace",
-        ErrorKind::NotFound => "NotFound",
-        ErrorKind::LeasesLive => "LeasesLive",
-        ErrorKind::Io => "StorageIOError",
-        ErrorKind::Unavailable => "Unavailable",
-        ErrorKind::Protocol => "ProtocolError",
-        ErrorKind::Timeout => "RpcTimeout",
-        ErrorKind::Internal => "InternalError",
-        ErrorKind::UnsafeCopy => "UnsafeCopy",
-        ErrorKind::Device => "DeviceError",
-        _ => "CheckpointError",
-    }
+/// The exception class of every kind, in `ErrorKind::ALL` order.
+static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+/// The cached classes of `lmcache_rc.errors` (imported on first use).
+fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    CLASSES.get_or_try_init(py, || {
+        let module = py.import("lmcache_rc.errors")?;
+        ErrorKind::ALL
+            .iter()
+            .map(|kind| {
+                let class = module.getattr(kind.exception().name)?;
+                Ok(class.cast_into::<PyType>()?.unbind())
+            })
+            .collect()
+    })
 }
 
 /// Converts a core error into an instance of its `lmcache_rc.errors` class.
 pub fn to_pyerr(err: Error) -> PyErr {
     Python::attach(|py| {
-        let name = class_name(err.kind());
+        let kind = err.kind();
         let message = err.to_string();
-        match py
-            .import("lmcache_rc.errors")
-            .and_then(|m| m.getattr(name))
-            .and_then(|cls| cls.call1((message.clone(),)))
-        {
-            Ok(instance) => PyErr::from_value(instance),
+        let class = classes(py).and_then(|classes| {
+            ErrorKind::ALL
+                .iter()
+                .position(|k| *k == kind)
+                .and_then(|i| classes.get(i))
+                .map(|c| c.bind(py).clone())
+                .ok_or_else(|| PyRuntimeError::new_err(format!("no class for error kind {kind}")))
+        });
+        match class {
+            Ok(class) => PyErr::from_type(class, (message,)),
             // The errors module is part of the package; failing to import it is
             // a broken install, still reported rather than hidden.
             Err(import_error) => PyRuntimeError::new_err(format!(
@@ -74,11 +75,24 @@ pub fn invalid_type(message: impl Into<String>) -> PyErr {
     to_pyerr(Error::InvalidType(message.into()))
 }
 
-/// Exposes the mapping to tests: `(kind name, class name)` for every kind.
+/// `(kind name, class name)` for every kind (tests check the classes exist).
 #[pyfunction]
 pub fn _error_classes() -> Vec<(&'static str, &'static str)> {
     ErrorKind::ALL
-        .into_iter()
-        .map(|k| (k.as_str(), class_name(k)))
+        .iter()
+        .map(|k| (k.as_str(), k.exception().name))
+        .collect()
+}
+
+/// The whole error table, `(kind, class name, bases, doc)` per kind, in
+/// order: what `ci/gen_errors.py` writes `lmcache_rc/errors.py` from.
+#[pyfunction]
+pub fn _error_table() -> Vec<(&'static str, &'static str, Vec<&'static str>, &'static str)> {
+    ErrorKind::ALL
+        .iter()
+        .map(|k| {
+            let e = k.exception();
+            (k.as_str(), e.name, e.bases.to_vec(), e.doc)
+        })
         .collect()
 }

@@ -3,11 +3,14 @@
 //! This crate only converts types, releases the GIL around blocking work and
 //! maps errors (in `errors.rs`). Behaviour lives in the core crate.
 
+mod config;
 mod convert;
 mod directory;
 mod errors;
+mod fork;
 mod identity;
 mod payload;
+mod protocol;
 mod rpc;
 mod service;
 mod transfer;
@@ -26,17 +29,22 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(identity::checkpoint_namespace, m)?)?;
     m.add_function(wrap_pyfunction!(identity::checkpoint_generation, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_error_classes, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::_error_table, m)?)?;
     m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
+    m.add_function(wrap_pyfunction!(config::default_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(config::default_l1_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(config::shm_name_for, m)?)?;
+    m.add_class::<config::PyServerConfig>()?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;
     m.add_class::<identity::PyManifest>()?;
     m.add_class::<payload::PyCheckpointPayload>()?;
     m.add_class::<directory::PyDirectory>()?;
     m.add_class::<service::PyCheckpointService>()?;
-    m.add_class::<service::PyLease>()?;
+    m.add_class::<protocol::PyLease>()?;
     m.add_class::<service::SlotView>()?;
     m.add_class::<rpc::PyClient>()?;
-    m.add_class::<rpc::PyFuture>()?;
+    m.add_class::<protocol::PyFuture>()?;
     m.add_class::<rpc::PyServer>()?;
     m.add_class::<rpc::MappedSlotView>()?;
     m.add_class::<transfer::PyTransferEngine>()?;

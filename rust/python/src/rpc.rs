@@ -1,73 +1,28 @@
-//! Python classes for the sidecar RPC: `Client` (the methods of
-//! `CheckpointService`, each with an `*_async` twin returning a `Future`),
-//! `Future`, the embedded `Server`, and zero-copy views of the pool as a
-//! client maps it. Every wait runs with the GIL released.
+//! Python classes for the sidecar RPC: `Client` (the protocol methods of
+//! `protocol.rs` over the typed RPC client), the embedded `Server`, and
+//! zero-copy views of the pool as a client maps it. Every wait runs with the
+//! GIL released.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lmcache_rc_core::rpc::wire::{WireManifest, WirePrefix};
-use lmcache_rc_core::rpc::{self, Client, ClientConfig, PendingReply, Request, Value};
+use lmcache_rc_core::Error;
+use lmcache_rc_core::protocol::{Checkpoints, CheckpointsAsync};
+use lmcache_rc_core::rpc::{self, Client, ClientConfig};
 use lmcache_rc_core::store::shm::ShmPool;
-use lmcache_rc_core::{Error, ErrorKind};
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 use std::ffi::c_int;
 
+use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::fork::Owned;
 use crate::identity::PyManifest;
-use crate::service::{
-    PyLease, attr, capabilities_dict, clear_dict, fill_byte_buffer, roots_of, seconds,
-    service_config, status_dict,
-};
-
-/// How a reply value becomes a Python object.
-#[derive(Debug, Clone, Copy)]
-enum Expect {
-    Unit,
-    Bool,
-    Capabilities,
-    Manifest,
-    Lease,
-    Status,
-    Clear,
-    Generations,
-}
-
-fn to_python(py: Python<'_>, expect: Expect, value: Value) -> PyResult<Py<PyAny>> {
-    Ok(match expect {
-        Expect::Unit => {
-            value.into_unit().py()?;
-            py.None()
-        }
-        Expect::Bool => PyBool::new(py, value.into_bool().py()?)
-            .to_owned()
-            .into_any()
-            .unbind(),
-        Expect::Capabilities => capabilities_dict(py, value.into_capabilities().py()?)?
-            .into_any()
-            .unbind(),
-        Expect::Manifest => match value.into_manifest().py()? {
-            Some(m) => Py::new(py, PyManifest::wrap(m))?.into_any(),
-            None => py.None(),
-        },
-        Expect::Lease => Py::new(py, PyLease::from(value.into_lease().py()?))?.into_any(),
-        Expect::Status => status_dict(py, value.into_status().py()?)?
-            .into_any()
-            .unbind(),
-        Expect::Clear => clear_dict(py, value.into_clear().py()?)?
-            .into_any()
-            .unbind(),
-        Expect::Generations => {
-            crate::service::generations_list(py, value.into_generations().py()?)?
-                .into_any()
-                .unbind()
-        }
-    })
-}
+use crate::protocol::{PyLease, ToPython, checkpoint_pymethods};
+use crate::service::fill_byte_buffer;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -82,10 +37,6 @@ fn duration(value: f64, name: &str) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(value))
 }
 
-fn manifest_of(m: &PyManifest) -> WireManifest {
-    WireManifest::from(&m.inner)
-}
-
 /// A client of a sidecar socket. Thread-safe: share one between the
 /// scheduler bridge and copy threads. Calls block up to `timeout` seconds
 /// with the GIL released; `*_async` variants return a `Future`. After a
@@ -93,33 +44,34 @@ fn manifest_of(m: &PyManifest) -> WireManifest {
 /// reconnects.
 #[pyclass(name = "Client", module = "lmcache_rc._native", frozen)]
 pub struct PyClient {
-    inner: Arc<Client>,
+    inner: Owned<ClientParts>,
+    socket: String,
+}
+
+/// What a `Client` owns: the connection (its reader thread) and its
+/// mapping of the pool.
+struct ClientParts {
+    client: Client,
     pool: Mutex<Option<Arc<ShmPool>>>,
 }
 
 impl PyClient {
-    fn call(&self, py: Python<'_>, request: Request, expect: Expect) -> PyResult<Py<PyAny>> {
-        let client = &self.inner;
-        let value = py.detach(|| client.call(request)).py()?;
-        to_python(py, expect, value)
-    }
-
-    fn send(&self, py: Python<'_>, request: Request, expect: Expect) -> PyFuture {
-        let client = &self.inner;
-        let pending = py.detach(|| client.call_async(request));
-        PyFuture { pending, expect }
+    /// The client the protocol methods call (not in a forked child).
+    fn api(&self) -> PyResult<&Client> {
+        Ok(&self.inner.get()?.client)
     }
 
     /// The pool mapped by the name and size the server announces; mapped
     /// again when the server replaced it (a restart).
     fn pool(&self, py: Python<'_>) -> PyResult<Arc<ShmPool>> {
-        if let Some(p) = lock(&self.pool).as_ref() {
+        let parts = self.inner.get()?;
+        if let Some(p) = lock(&parts.pool).as_ref() {
             if p.is_current() {
                 return Ok(p.clone());
             }
         }
         // No lock is held while waiting without the GIL.
-        let client = &self.inner;
+        let client = &parts.client;
         let pool = py
             .detach(|| {
                 let caps = client.capabilities()?;
@@ -127,13 +79,12 @@ impl PyClient {
             })
             .py()?;
         let pool = Arc::new(pool);
-        *lock(&self.pool) = Some(pool.clone());
+        *lock(&parts.pool) = Some(pool.clone());
         Ok(pool)
     }
 }
 
-#[pymethods]
-impl PyClient {
+checkpoint_pymethods!(PyClient, api, {
     #[new]
     #[pyo3(signature = (socket_path, timeout = 60.0, connect_timeout = 10.0))]
     fn new(
@@ -151,223 +102,36 @@ impl PyClient {
             .detach(|| Client::connect_with(&socket_path, config))
             .py()?;
         Ok(PyClient {
-            inner: Arc::new(client),
-            pool: Mutex::new(None),
+            socket: client.socket_path().display().to_string(),
+            inner: Owned::new(
+                "Client",
+                ClientParts {
+                    client,
+                    pool: Mutex::new(None),
+                },
+            ),
         })
     }
 
     /// The socket this client talks to.
     #[getter]
     fn socket_path(&self) -> String {
-        self.inner.socket_path().display().to_string()
+        self.socket.clone()
     }
 
     /// Whether a live connection is open now.
     #[getter]
-    fn connected(&self) -> bool {
-        self.inner.is_connected()
-    }
-
-    /// format_version, protocol_version, shm_name, pool_size, durable_index.
-    fn capabilities(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Capabilities, Expect::Capabilities)
-    }
-    /// `capabilities` without waiting.
-    fn capabilities_async(&self, py: Python<'_>) -> PyFuture {
-        self.send(py, Request::Capabilities, Expect::Capabilities)
-    }
-
-    /// The longest listed generation matching the roots (a candidate).
-    fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let roots = wire_roots(roots)?;
-        self.call(py, Request::Find { roots }, Expect::Manifest)
-    }
-    /// `find` without waiting.
-    fn find_async(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<PyFuture> {
-        let roots = wire_roots(roots)?;
-        Ok(self.send(py, Request::Find { roots }, Expect::Manifest))
-    }
-
-    /// Stages a generation; False = duplicate, no pending capacity, or the
-    /// server is shutting down.
-    fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<Py<PyAny>> {
-        let manifest = manifest_of(manifest);
-        self.call(py, Request::Begin { manifest }, Expect::Bool)
-    }
-    /// `begin` without waiting.
-    fn begin_async(&self, py: Python<'_>, manifest: &PyManifest) -> PyFuture {
-        let manifest = manifest_of(manifest);
-        self.send(py, Request::Begin { manifest }, Expect::Bool)
-    }
-
-    /// Aborts a pending generation.
-    fn abort(&self, py: Python<'_>, generation: String) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Abort { generation }, Expect::Unit)
-    }
-    /// `abort` without waiting.
-    fn abort_async(&self, py: Python<'_>, generation: String) -> PyFuture {
-        self.send(py, Request::Abort { generation }, Expect::Unit)
-    }
-
-    /// Leases slots for one rank's pages: status ready | busy | miss.
-    fn prepare_store(
-        &self,
-        py: Python<'_>,
-        manifest: &PyManifest,
-        rank: u32,
-    ) -> PyResult<Py<PyAny>> {
-        let manifest = manifest_of(manifest);
-        self.call(py, Request::PrepareStore { manifest, rank }, Expect::Lease)
-    }
-    /// `prepare_store` without waiting.
-    fn prepare_store_async(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyFuture {
-        let manifest = manifest_of(manifest);
-        self.send(py, Request::PrepareStore { manifest, rank }, Expect::Lease)
-    }
-
-    /// Ends a store lease; True only for the call that published. With
-    /// `rank`, the server refuses a lease another rank obtained.
-    #[pyo3(signature = (lease_id, success, *, rank = None))]
-    fn finish_store(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        success: bool,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        let request = Request::FinishStore {
-            lease_id,
-            success,
-            rank,
-        };
-        self.call(py, request, Expect::Bool)
-    }
-    /// `finish_store` without waiting.
-    #[pyo3(signature = (lease_id, success, *, rank = None))]
-    fn finish_store_async(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        success: bool,
-        rank: Option<u32>,
-    ) -> PyFuture {
-        let request = Request::FinishStore {
-            lease_id,
-            success,
-            rank,
-        };
-        self.send(py, request, Expect::Bool)
-    }
-
-    /// Starts a retrieve: status pending | miss.
-    fn begin_retrieve(
-        &self,
-        py: Python<'_>,
-        manifest: &PyManifest,
-        rank: u32,
-    ) -> PyResult<Py<PyAny>> {
-        let manifest = manifest_of(manifest);
-        self.call(py, Request::BeginRetrieve { manifest, rank }, Expect::Lease)
-    }
-    /// `begin_retrieve` without waiting.
-    fn begin_retrieve_async(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyFuture {
-        let manifest = manifest_of(manifest);
-        self.send(py, Request::BeginRetrieve { manifest, rank }, Expect::Lease)
-    }
-
-    /// Polls a retrieve: pending | ready | miss.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn poll_retrieve(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::PollRetrieve { lease_id, rank }, Expect::Lease)
-    }
-    /// `poll_retrieve` without waiting.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn poll_retrieve_async(&self, py: Python<'_>, lease_id: String, rank: Option<u32>) -> PyFuture {
-        self.send(py, Request::PollRetrieve { lease_id, rank }, Expect::Lease)
-    }
-
-    /// Ends an exposed retrieve lease after the copy drained.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn finish_retrieve(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::FinishRetrieve { lease_id, rank }, Expect::Unit)
-    }
-    /// `finish_retrieve` without waiting.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn finish_retrieve_async(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyFuture {
-        self.send(py, Request::FinishRetrieve { lease_id, rank }, Expect::Unit)
-    }
-
-    /// Cancels a retrieve that exposed nothing; never invalidates.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn cancel_retrieve(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::CancelRetrieve { lease_id, rank }, Expect::Unit)
-    }
-    /// `cancel_retrieve` without waiting.
-    #[pyo3(signature = (lease_id, *, rank = None))]
-    fn cancel_retrieve_async(
-        &self,
-        py: Python<'_>,
-        lease_id: String,
-        rank: Option<u32>,
-    ) -> PyFuture {
-        self.send(py, Request::CancelRetrieve { lease_id, rank }, Expect::Unit)
-    }
-
-    /// Counters and gauges of the service and the RPC layer.
-    fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Status, Expect::Status)
-    }
-    /// `status` without waiting.
-    fn status_async(&self, py: Python<'_>) -> PyFuture {
-        self.send(py, Request::Status, Expect::Status)
-    }
-
-    /// Drops L1 copies (and L2 files with all_tiers); see DESIGN §7.
-    #[pyo3(signature = (force = false, all_tiers = false))]
-    fn clear(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::Clear { force, all_tiers }, Expect::Clear)
-    }
-    /// `clear` without waiting.
-    #[pyo3(signature = (force = false, all_tiers = false))]
-    fn clear_async(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyFuture {
-        self.send(py, Request::Clear { force, all_tiers }, Expect::Clear)
-    }
-
-    /// Every listed generation (dicts, as `CheckpointService.list_generations`).
-    fn list_generations(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.call(py, Request::ListGenerations, Expect::Generations)
-    }
-    /// `list_generations` without waiting.
-    fn list_generations_async(&self, py: Python<'_>) -> PyFuture {
-        self.send(py, Request::ListGenerations, Expect::Generations)
+    fn connected(&self) -> PyResult<bool> {
+        Ok(self.api()?.is_connected())
     }
 
     /// Closes the connection (later calls raise `Closed`). Leases obtained
     /// through this client stay live on the server until finished.
-    fn close(&self, py: Python<'_>) {
-        let client = &self.inner;
-        py.detach(|| client.close());
-        *lock(&self.pool) = None;
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let parts = self.inner.get()?;
+        py.detach(|| parts.client.close());
+        *lock(&parts.pool) = None;
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -375,9 +139,9 @@ impl PyClient {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
-        self.close(py);
-        false
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
     }
 
     /// A writable zero-copy uint8 numpy array over `length` bytes of the SHM
@@ -414,21 +178,17 @@ impl PyClient {
     }
 
     fn __repr__(&self) -> String {
+        let connected = match self.inner.local() {
+            Some(parts) if parts.client.is_connected() => "True",
+            Some(_) => "False",
+            None => "False (a forked child's copy)",
+        };
         format!(
-            "Client(socket_path={:?}, connected={})",
-            self.inner.socket_path().display().to_string(),
-            if self.inner.is_connected() {
-                "True"
-            } else {
-                "False"
-            }
+            "Client(socket_path={:?}, connected={connected})",
+            self.socket
         )
     }
-}
-
-fn wire_roots(roots: &Bound<'_, PyAny>) -> PyResult<Vec<WirePrefix>> {
-    Ok(roots_of(roots)?.iter().map(WirePrefix::from).collect())
-}
+});
 
 fn pool_array(
     py: Python<'_>,
@@ -493,89 +253,34 @@ impl MappedSlotView {
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
 }
 
-/// The pending result of a `Client.*_async` call.
-#[pyclass(name = "Future", module = "lmcache_rc._native", frozen)]
-pub struct PyFuture {
-    pending: PendingReply,
-    expect: Expect,
-}
-
-#[pymethods]
-impl PyFuture {
-    /// Whether the reply (or the failure) is in.
-    fn done(&self) -> bool {
-        self.pending.is_done()
-    }
-
-    /// Waits up to `timeout` seconds (None = until done) and returns the
-    /// call's result or raises its error; raises `RpcTimeout` (and stays
-    /// pending) if the reply did not come in time. Ctrl-C interrupts a wait.
-    #[pyo3(signature = (timeout = None))]
-    fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let deadline = match timeout {
-            Some(t) if !(t.is_finite() && t >= 0.0) => {
-                return Err(invalid("timeout must be a non-negative number of seconds"));
-            }
-            Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.min(1e9))),
-            None => None,
-        };
-        let pending = &self.pending;
-        loop {
-            let slice = match deadline {
-                Some(d) => d
-                    .saturating_duration_since(Instant::now())
-                    .min(Duration::from_millis(100)),
-                None => Duration::from_millis(100),
-            };
-            match py.detach(|| pending.wait(Some(slice))) {
-                Ok(value) => return to_python(py, self.expect, value),
-                Err(e) if e.kind() == ErrorKind::Timeout && !pending.is_done() => {
-                    py.check_signals()?;
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(to_pyerr(Error::Timeout(format!(
-                            "no reply to {} within {} s",
-                            pending.operation(),
-                            timeout.unwrap_or_default()
-                        ))));
-                    }
-                }
-                Err(e) => return Err(to_pyerr(e)),
-            }
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Future({}, done={})",
-            self.pending.operation(),
-            if self.pending.is_done() {
-                "True"
-            } else {
-                "False"
-            }
-        )
-    }
-}
-
 /// The sidecar running in this process (tests, notebooks, `lmcache-rc
 /// demo`): the same RPC server over a Unix socket, on background threads.
 #[pyclass(name = "Server", module = "lmcache_rc._native", frozen)]
 pub struct PyServer {
-    /// Taken (and dropped, which unlinks the pool) by `stop`.
-    inner: Mutex<Option<Arc<rpc::Server>>>,
+    inner: Owned<ServerParts>,
     socket: String,
     drain: Duration,
+    http_url: Option<String>,
+}
+
+/// What a `Server` owns: its threads (the RPC server, the HTTP admin API).
+struct ServerParts {
+    /// Taken (and dropped, which unlinks the pool) by `stop`.
+    server: Mutex<Option<Arc<rpc::Server>>>,
     stopped: Mutex<Option<rpc::ShutdownReport>>,
     /// The HTTP admin API (None when http_port is negative).
     http: Mutex<Option<lmcache_rc_core::http::HttpAdmin>>,
-    http_url: Option<String>,
 }
 
 impl Drop for PyServer {
     fn drop(&mut self) {
         // A server never stopped stops now, without draining. Its threads
-        // may log (which needs the GIL), so wait for them without it.
-        let taken = lock(&self.inner).take();
+        // may log (which needs the GIL), so wait for them without it. In a
+        // forked child there is nothing to stop (see `fork`).
+        let Some(parts) = self.inner.local() else {
+            return;
+        };
+        let taken = lock(&parts.server).take();
         if let Some(server) = taken {
             Python::attach(|py| py.detach(move || drop(server)));
         }
@@ -584,7 +289,7 @@ impl Drop for PyServer {
 
 impl PyServer {
     fn running(&self) -> PyResult<Arc<rpc::Server>> {
-        lock(&self.inner)
+        lock(&self.inner.get()?.server)
             .clone()
             .ok_or_else(|| to_pyerr(Error::Closed("lmcache-rc server")))
     }
@@ -592,7 +297,7 @@ impl PyServer {
 
 #[pymethods]
 impl PyServer {
-    /// Starts a server for `config` (an `rc.ServerConfig`).
+    /// Starts a server for `config` (a `ServerConfig`).
     ///
     /// `temp_socket` chooses where it listens: None (the default, embedded
     /// use) = in a fresh private temporary directory when the config's socket
@@ -605,66 +310,36 @@ impl PyServer {
     #[pyo3(signature = (config, *, temp_socket = None))]
     fn start(
         py: Python<'_>,
-        config: &Bound<'_, PyAny>,
+        config: &PyServerConfig,
         temp_socket: Option<bool>,
     ) -> PyResult<PyServer> {
-        let mut service = service_config(config)?;
-        let socket: Option<PathBuf> = attr(config, "socket")?.map(|v| v.extract()).transpose()?;
-        let helpers = py.import("lmcache_rc.config")?;
-        let default_socket: PathBuf = helpers.call_method0("default_socket_path")?.extract()?;
-        let configured = socket.unwrap_or_else(|| default_socket.clone());
-        let temp = temp_socket.unwrap_or(configured == default_socket);
-        let mut rpc_config = if temp {
-            let path = rpc::temp_socket_path().py()?;
-            let derived: String = helpers
-                .call_method1("shm_name_for", (configured,))?
-                .extract()?;
-            if service.shm_name == derived {
-                service.shm_name = helpers
-                    .call_method1("shm_name_for", (path.clone(),))?
-                    .extract()?;
-            }
-            let mut c = rpc::ServerConfig::new(path);
-            c.remove_dir_on_stop = true;
-            c
-        } else {
-            rpc::ServerConfig::new(configured)
-        };
-        let drain = match attr(config, "drain_timeout")? {
-            Some(v) => seconds(&v, "drain_timeout")?,
-            None => rpc_config.drain_timeout,
-        };
-        rpc_config.drain_timeout = drain;
-        if let Some(v) = attr(config, "max_connections")? {
-            rpc_config.max_connections = v.extract()?;
-        }
-        let http_host: String = match attr(config, "http_host")? {
-            Some(v) => v.extract()?,
-            None => "127.0.0.1".to_string(),
-        };
-        let http_port: i64 = match attr(config, "http_port")? {
-            Some(v) => v.extract()?,
-            None => 0,
-        };
+        let config = &config.inner;
+        let (service, rpc_config) = config.server_configs(temp_socket).py()?;
+        let http_bind = config.http_bind().py()?;
+        let drain = rpc_config.drain_timeout;
         let server = py.detach(|| rpc::Server::open(service, rpc_config)).py()?;
-        let http = if http_port >= 0 {
-            let port = u16::try_from(http_port)
-                .map_err(|_| invalid(format!("http_port must be in 0..65535, got {http_port}")))?;
-            let service = server.service().clone();
-            Some(
-                py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&http_host, port, service))
-                    .py()?,
-            )
-        } else {
-            None
+        let http = match http_bind {
+            Some((host, port)) => {
+                let service = server.service().clone();
+                Some(
+                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&host, port, service))
+                        .py()?,
+                )
+            }
+            None => None,
         };
         Ok(PyServer {
             socket: server.socket_path().display().to_string(),
-            inner: Mutex::new(Some(Arc::new(server))),
             drain,
-            stopped: Mutex::new(None),
             http_url: http.as_ref().map(|h| h.url()),
-            http: Mutex::new(http),
+            inner: Owned::new(
+                "Server",
+                ServerParts {
+                    server: Mutex::new(Some(Arc::new(server))),
+                    stopped: Mutex::new(None),
+                    http: Mutex::new(http),
+                },
+            ),
         })
     }
 
@@ -681,10 +356,10 @@ impl PyServer {
     }
 
     /// The service's status plus the RPC counters (rpc_connections, ...).
-    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let server = self.running()?;
         let status = py.detach(|| server.status()).py()?;
-        status_dict(py, status)
+        status.to_python(py)
     }
 
     /// Graceful shutdown: stops admitting work, lets live leases finish for
@@ -701,10 +376,11 @@ impl PyServer {
             Some(t) => Duration::from_secs_f64(t.min(1e9)),
             None => self.drain,
         };
-        if let Some(mut http) = lock(&self.http).take() {
+        let parts = self.inner.get()?;
+        if let Some(mut http) = lock(&parts.http).take() {
             py.detach(|| http.stop());
         }
-        let taken = lock(&self.inner).take();
+        let taken = lock(&parts.server).take();
         let report = match taken {
             Some(server) => {
                 let report = py.detach(|| {
@@ -714,10 +390,10 @@ impl PyServer {
                     report
                 });
                 let report = report.py()?;
-                *lock(&self.stopped) = Some(report.clone());
+                *lock(&parts.stopped) = Some(report.clone());
                 report
             }
-            None => lock(&self.stopped).clone().unwrap_or_default(),
+            None => lock(&parts.stopped).clone().unwrap_or_default(),
         };
         let d = PyDict::new(py);
         d.set_item("drained", report.drained)?;
@@ -728,8 +404,8 @@ impl PyServer {
 
     /// Whether `stop` ran.
     #[getter]
-    fn stopped(&self) -> bool {
-        lock(&self.inner).is_none()
+    fn stopped(&self) -> PyResult<bool> {
+        Ok(lock(&self.inner.get()?.server).is_none())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -743,10 +419,11 @@ impl PyServer {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "Server(socket_path={:?}, stopped={})",
-            self.socket,
-            if self.stopped() { "True" } else { "False" }
-        )
+        let stopped = match self.inner.local() {
+            Some(parts) if lock(&parts.server).is_none() => "True",
+            Some(_) => "False",
+            None => "False (a forked child's copy)",
+        };
+        format!("Server(socket_path={:?}, stopped={stopped})", self.socket)
     }
 }

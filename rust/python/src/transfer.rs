@@ -33,6 +33,7 @@ use pyo3::types::{PyDict, PyMapping, PyString, PyTuple};
 
 use crate::convert::exact_u64;
 use crate::errors::{IntoPyResult, invalid, invalid_type, to_pyerr};
+use crate::fork::Owned;
 use crate::identity::PyManifest;
 use crate::service::capabilities_dict;
 
@@ -55,7 +56,8 @@ impl BackendRef {
 /// shared memory (one engine per worker rank).
 #[pyclass(name = "TransferEngine", module = "lmcache_rc._native", frozen)]
 pub struct PyTransferEngine {
-    engine: TransferEngine,
+    /// Its copy and lease threads (usable only in this process: `fork`).
+    engine: Owned<TransferEngine>,
     backend: BackendRef,
     layout: PageLayout,
     /// Keeps the bound buffers' Python objects alive (leaked when unsafe).
@@ -274,7 +276,7 @@ impl PyTransferEngine {
         let client = connect(py, socket_path, rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
-            engine,
+            engine: Owned::new("TransferEngine", engine),
             layout: backend.layout().clone(),
             backend: BackendRef::Cpu(backend),
             owners: vec![page_pool.clone().unbind()],
@@ -312,7 +314,7 @@ impl PyTransferEngine {
         let client = connect(py, socket_path, rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
-            engine,
+            engine: Owned::new("TransferEngine", engine),
             layout: backend.layout().clone(),
             backend: BackendRef::Cuda(backend),
             owners: Vec::new(),
@@ -358,7 +360,7 @@ impl PyTransferEngine {
         let client = connect(py, socket_path, rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
-            engine,
+            engine: Owned::new("TransferEngine", engine),
             layout: backend.layout().clone(),
             backend: BackendRef::Cpu(backend),
             owners: args.into_iter().map(|b| b.owner).collect(),
@@ -402,7 +404,7 @@ impl PyTransferEngine {
         let client = connect(py, socket_path, rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
-            engine,
+            engine: Owned::new("TransferEngine", engine),
             layout: backend.layout().clone(),
             backend: BackendRef::Cuda(backend),
             owners: args.into_iter().map(|b| b.owner).collect(),
@@ -455,15 +457,18 @@ impl PyTransferEngine {
         };
         Ok(self
             .engine
+            .get()?
             .submit(job)
             .py()?
-            .map(|handle| PyTransferFuture { handle }))
+            .map(|handle| PyTransferFuture {
+                handle: Owned::new("TransferFuture", handle),
+            }))
     }
 
     /// "cpu" or "cuda".
     #[getter]
-    fn backend(&self) -> &'static str {
-        self.engine.backend_name()
+    fn backend(&self) -> PyResult<&'static str> {
+        Ok(self.engine.get()?.backend_name())
     }
 
     /// Blocks of the bound memory (rows of a 2-D page pool).
@@ -493,31 +498,32 @@ impl PyTransferEngine {
 
     /// Whether a copy may be in flight (admission stopped for good).
     #[getter]
-    fn is_unsafe(&self) -> bool {
-        self.engine.is_unsafe()
+    fn is_unsafe(&self) -> PyResult<bool> {
+        Ok(self.engine.get()?.is_unsafe())
     }
 
     /// Why the engine turned unsafe (None while it is safe).
     #[getter]
-    fn unsafe_reason(&self) -> Option<String> {
-        self.engine.unsafe_reason()
+    fn unsafe_reason(&self) -> PyResult<Option<String>> {
+        Ok(self.engine.get()?.unsafe_reason())
     }
 
     /// Jobs admitted and not yet ended.
     #[getter]
-    fn in_flight(&self) -> usize {
-        self.engine.in_flight()
+    fn in_flight(&self) -> PyResult<usize> {
+        Ok(self.engine.get()?.in_flight())
     }
 
     /// How many times the sidecar's pool was mapped (1 + remaps after restarts).
     #[getter]
-    fn mappings(&self) -> u64 {
-        self.engine.stats().mappings
+    fn mappings(&self) -> PyResult<u64> {
+        Ok(self.engine.get()?.stats().mappings)
     }
 
     /// The capabilities of the mapped pool (None before the first mapping).
     fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        py.detach(|| self.engine.capabilities())
+        let engine = self.engine.get()?;
+        py.detach(|| engine.capabilities())
             .map(|c| capabilities_dict(py, c))
             .transpose()
     }
@@ -526,7 +532,8 @@ impl PyTransferEngine {
     #[pyo3(signature = (timeout = None))]
     fn wait_idle(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let timeout = timeout_of(timeout)?;
-        Ok(py.detach(|| self.engine.wait_idle(timeout)))
+        let engine = self.engine.get()?;
+        Ok(py.detach(|| engine.wait_idle(timeout)))
     }
 
     /// Stops admission and waits for admitted jobs. Raises `UnsafeCopy` if a
@@ -535,7 +542,8 @@ impl PyTransferEngine {
     #[pyo3(signature = (timeout = None))]
     fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = timeout_of(timeout)?;
-        let result = py.detach(|| self.engine.close(timeout));
+        let engine = self.engine.get()?;
+        let result = py.detach(|| engine.close(timeout));
         if result.is_err() {
             for owner in &self.owners {
                 // Leak one reference: the memory must outlive any DMA.
@@ -574,6 +582,9 @@ impl PyTransferEngine {
     }
 
     fn __repr__(&self) -> String {
+        let Some(engine) = self.engine.local() else {
+            return "TransferEngine(a forked child's copy: unusable)".to_string();
+        };
         let pages = match self.layout.pool_shape() {
             Some(shape) => format!("page_bytes={}", shape.page_bytes),
             None => format!(
@@ -584,14 +595,10 @@ impl PyTransferEngine {
         };
         format!(
             "TransferEngine(backend={}, num_blocks={}, {pages}, in_flight={}, unsafe={})",
-            self.engine.backend_name(),
+            engine.backend_name(),
             self.layout.num_blocks(),
-            self.engine.in_flight(),
-            if self.engine.is_unsafe() {
-                "True"
-            } else {
-                "False"
-            }
+            engine.in_flight(),
+            if engine.is_unsafe() { "True" } else { "False" }
         )
     }
 }
@@ -601,7 +608,9 @@ impl Drop for PyTransferEngine {
     /// released (other Python threads keep running); if a copy may still be
     /// in flight the buffer references are leaked, as `close()` does.
     fn drop(&mut self) {
-        let engine = &self.engine;
+        let Some(engine) = self.engine.local() else {
+            return; // a forked child's copy: its threads are the parent's
+        };
         let closed = Python::attach(|py| py.detach(|| engine.close(None)));
         if let Err(e) = closed {
             log::error!("dropping a transfer engine: {e}");
@@ -635,14 +644,15 @@ fn timeout_of(timeout: Option<f64>) -> PyResult<Option<Duration>> {
 /// The result of one submitted transfer.
 #[pyclass(name = "TransferFuture", module = "lmcache_rc._native", frozen)]
 pub struct PyTransferFuture {
-    handle: JobHandle,
+    /// Resolved by the engine's threads (usable only in this process).
+    handle: Owned<JobHandle>,
 }
 
 #[pymethods]
 impl PyTransferFuture {
     /// Whether the transfer ended.
-    fn done(&self) -> bool {
-        self.handle.is_done()
+    fn done(&self) -> PyResult<bool> {
+        Ok(self.handle.get()?.is_done())
     }
 
     /// Waits up to `timeout` seconds (None = until done). True = every page
@@ -651,13 +661,13 @@ impl PyTransferFuture {
     /// when a copy may still be in flight, `RpcTimeout` if not done in time.
     #[pyo3(signature = (timeout = None))]
     fn result(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let handle = self.handle.get()?;
         let deadline = timeout_of(timeout)?.map(|t| Instant::now() + t);
         loop {
             let slice = deadline.map_or(Duration::from_millis(100), |d| {
                 d.saturating_duration_since(Instant::now())
                     .min(Duration::from_millis(100))
             });
-            let handle = &self.handle;
             if py.detach(|| handle.wait(Some(slice))) {
                 break;
             }
@@ -669,7 +679,7 @@ impl PyTransferFuture {
                 ))));
             }
         }
-        match self.handle.with_outcome(|o| match o {
+        match handle.with_outcome(|o| match o {
             Outcome::Unsafe(r) => Err(Error::UnsafeCopy(r.clone())),
             o => Ok(o.succeeded()),
         }) {
@@ -682,30 +692,35 @@ impl PyTransferFuture {
 
     /// "copied", "miss", "failed" or "unsafe"; None while running.
     #[getter]
-    fn outcome(&self) -> Option<&'static str> {
-        self.handle.with_outcome(Outcome::kind)
+    fn outcome(&self) -> PyResult<Option<&'static str>> {
+        Ok(self.handle.get()?.with_outcome(Outcome::kind))
     }
 
     /// Why the transfer did not copy (None while running or when it copied).
     #[getter]
-    fn error(&self) -> Option<String> {
-        self.handle.with_outcome(Outcome::reason).flatten()
+    fn error(&self) -> PyResult<Option<String>> {
+        Ok(self.handle.get()?.with_outcome(Outcome::reason).flatten())
     }
 
     /// The error kind of a failed transfer (e.g. "InvalidInput"), else None.
     #[getter]
-    fn error_kind(&self) -> Option<&'static str> {
-        self.handle
+    fn error_kind(&self) -> PyResult<Option<&'static str>> {
+        Ok(self
+            .handle
+            .get()?
             .with_outcome(|o| match o {
                 Outcome::Failed(e) => Some(e.kind().as_str()),
                 Outcome::Unsafe(_) => Some(ErrorKind::UnsafeCopy.as_str()),
                 _ => None,
             })
-            .flatten()
+            .flatten())
     }
 
     fn __repr__(&self) -> String {
-        match self.handle.with_outcome(Outcome::kind) {
+        let Some(handle) = self.handle.local() else {
+            return "TransferFuture(a forked child's copy: unusable)".to_string();
+        };
+        match handle.with_outcome(Outcome::kind) {
             Some(kind) => format!("TransferFuture({kind})"),
             None => "TransferFuture(running)".to_string(),
         }

@@ -16,7 +16,6 @@
 
 use std::collections::HashMap;
 use std::io::BufReader;
-use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -28,11 +27,13 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
-use crate::service::{Capabilities, ClearReport, GenerationInfo, Lease, ServiceStatus};
+use crate::protocol::{
+    Capabilities, Checkpoints, CheckpointsAsync, ClearReport, GenerationInfo, Lease, Pending,
+    ServiceStatus, Waitable,
+};
 
 use super::wire::{
-    self, CONNECTION_ERROR_ID, FrameError, Reply, Request, Value, WireError, WireManifest,
-    WirePrefix,
+    self, CONNECTION_ERROR_ID, FrameError, Reply, Request, Value, WireError, WirePrefix,
 };
 
 /// Settings of a [`Client`].
@@ -195,31 +196,22 @@ impl PendingReply {
     }
 }
 
-/// A typed [`PendingReply`]: the `*_async` calls' future.
-pub struct Pending<T> {
+/// A [`PendingReply`] whose value is converted to the operation's type:
+/// what the client's `*_async` calls return inside a [`Pending`].
+struct Typed<T> {
     raw: PendingReply,
     convert: fn(Value) -> Result<T>,
 }
 
-impl<T> std::fmt::Debug for Pending<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.raw.fmt(f)
-    }
-}
-
-impl<T> Pending<T> {
-    /// Whether the reply (or the failure) is in.
-    pub fn is_done(&self) -> bool {
+impl<T> Waitable<T> for Typed<T> {
+    fn is_done(&self) -> bool {
         self.raw.is_done()
     }
-    /// Waits up to `timeout` (None = forever) for the typed result; see
-    /// [`PendingReply::wait`].
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<T> {
+    fn wait(&self, timeout: Option<Duration>) -> Result<T> {
         self.raw.wait(timeout).and_then(self.convert)
     }
-    /// The untyped reply.
-    pub fn into_raw(self) -> PendingReply {
-        self.raw
+    fn abandon(&self) {
+        self.raw.abandon();
     }
 }
 
@@ -280,6 +272,12 @@ impl Client {
         self.live_connection().is_some()
     }
 
+    /// [`Checkpoints::capabilities`], callable without naming the trait
+    /// (the transfer engine's lease interface names a method of that name too).
+    pub fn capabilities(&self) -> Result<Capabilities> {
+        Checkpoints::capabilities(self)
+    }
+
     /// Closes the connection; later calls fail with [`Error::Closed`].
     /// Leases obtained through this client stay live on the server.
     pub fn close(&self) {
@@ -335,10 +333,11 @@ impl Client {
             s.set_write_timeout(Some(self.config.timeout.max(Duration::from_millis(1))))
         };
         setup(&stream).map_err(|e| self.unavailable("cannot configure a socket to", e))?;
-        let greeted = send_all(
+        let greeted = wire::send_frame(
             &stream,
             &wire::encode_hello(wire::MIN_PROTOCOL_VERSION, wire::PROTOCOL_VERSION),
-        );
+        )
+        .map_err(|(_, e)| e);
         let mut buf = Vec::new();
         let mut reader = &stream;
         let answer = wire::read_frame(&mut reader, 8 + 4096, &mut buf);
@@ -443,8 +442,8 @@ impl Client {
                 }
                 calls.slots.insert(id, slot.clone());
             }
-            let (sent, result) = send_counted(&conn.writer.lock(), &frame);
-            if let Err(e) = result {
+            let result = wire::send_frame(&conn.writer.lock(), &frame);
+            if let Err((sent, e)) = result {
                 conn.fail_all(wire_error(
                     ErrorKind::Unavailable,
                     format!(
@@ -485,33 +484,36 @@ impl Client {
         self.call(request).and_then(convert)
     }
 
-    fn typed_async<T>(&self, request: Request, convert: fn(Value) -> Result<T>) -> Pending<T> {
-        Pending {
-            raw: self.call_async(request),
-            convert,
-        }
+    fn typed_async<T: 'static>(
+        &self,
+        request: Request,
+        convert: fn(Value) -> Result<T>,
+    ) -> Pending<T> {
+        let raw = self.call_async(request);
+        Pending::new(raw.operation(), Typed { raw, convert })
     }
 }
 
-fn roots_of(roots: &[Prefix]) -> Vec<WirePrefix> {
-    roots.iter().map(WirePrefix::from).collect()
-}
-
-/// Defines a blocking method and its `*_async` twin for each operation.
+/// Implements [`Checkpoints`] and [`CheckpointsAsync`] over the wire: one
+/// line per operation, its request and the conversion of its reply value.
+/// The blocking call waits up to the configured timeout; the `*_async` call
+/// pipelines and returns a [`Pending`] future.
 macro_rules! operations {
     ($(
-        $(#[$doc:meta])*
         fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty
             = $request:expr, $convert:path;
     )*) => {
-        impl Client {
+        impl Checkpoints for Client {
             $(
-                $(#[$doc])*
-                pub fn $name(&self, $($arg: $ty),*) -> Result<$out> {
+                fn $name(&self, $($arg: $ty),*) -> Result<$out> {
                     self.typed($request, $convert)
                 }
-                #[doc = concat!("[`Client::", stringify!($name), "`] without waiting: a future of its result.")]
-                pub fn $name_async(&self, $($arg: $ty),*) -> Pending<$out> {
+            )*
+        }
+
+        impl CheckpointsAsync for Client {
+            $(
+                fn $name_async(&self, $($arg: $ty),*) -> Pending<$out> {
                     self.typed_async($request, $convert)
                 }
             )*
@@ -520,49 +522,32 @@ macro_rules! operations {
 }
 
 operations! {
-    /// Pool name and size, format and protocol versions, durability.
     fn capabilities / capabilities_async () -> Capabilities
         = Request::Capabilities, Value::into_capabilities;
-    /// The longest listed generation matching the roots (a candidate).
     fn find / find_async (roots: &[Prefix]) -> Option<Manifest>
-        = Request::Find { roots: roots_of(roots) }, Value::into_manifest;
-    /// Stages a generation; false = duplicate, no capacity, or shutting down.
+        = Request::Find { roots: roots.iter().map(WirePrefix::from).collect() },
+          Value::into_manifest;
     fn begin / begin_async (manifest: &Manifest) -> bool
-        = Request::Begin { manifest: WireManifest::from(manifest) }, Value::into_bool;
-    /// Aborts a pending generation.
+        = Request::Begin { manifest: manifest.into() }, Value::into_bool;
     fn abort / abort_async (generation: &str) -> ()
         = Request::Abort { generation: generation.to_string() }, Value::into_unit;
-    /// Leases slots for one rank's pages: ready | busy | miss.
     fn prepare_store / prepare_store_async (manifest: &Manifest, rank: u32) -> Lease
-        = Request::PrepareStore { manifest: WireManifest::from(manifest), rank },
-          Value::into_lease;
-    /// Ends a store lease; true only for the call that published.
-    fn finish_store / finish_store_async (lease_id: &str, success: bool) -> bool
-        = Request::FinishStore { lease_id: lease_id.to_string(), success, rank: None },
+        = Request::PrepareStore { manifest: manifest.into(), rank }, Value::into_lease;
+    fn finish_store / finish_store_async (lease_id: &str, success: bool, rank: Option<u32>) -> bool
+        = Request::FinishStore { lease_id: lease_id.to_string(), success, rank },
           Value::into_bool;
-    /// Starts restoring one rank: pending | miss.
     fn begin_retrieve / begin_retrieve_async (manifest: &Manifest, rank: u32) -> Lease
-        = Request::BeginRetrieve { manifest: WireManifest::from(manifest), rank },
-          Value::into_lease;
-    /// Polls a retrieve: pending | ready | miss.
-    fn poll_retrieve / poll_retrieve_async (lease_id: &str) -> Lease
-        = Request::PollRetrieve { lease_id: lease_id.to_string(), rank: None },
-          Value::into_lease;
-    /// Ends an exposed retrieve lease after the copy drained.
-    fn finish_retrieve / finish_retrieve_async (lease_id: &str) -> ()
-        = Request::FinishRetrieve { lease_id: lease_id.to_string(), rank: None },
-          Value::into_unit;
-    /// Cancels a retrieve that exposed nothing.
-    fn cancel_retrieve / cancel_retrieve_async (lease_id: &str) -> ()
-        = Request::CancelRetrieve { lease_id: lease_id.to_string(), rank: None },
-          Value::into_unit;
-    /// Counters and gauges of the service and the RPC layer.
+        = Request::BeginRetrieve { manifest: manifest.into(), rank }, Value::into_lease;
+    fn poll_retrieve / poll_retrieve_async (lease_id: &str, rank: Option<u32>) -> Lease
+        = Request::PollRetrieve { lease_id: lease_id.to_string(), rank }, Value::into_lease;
+    fn finish_retrieve / finish_retrieve_async (lease_id: &str, rank: Option<u32>) -> ()
+        = Request::FinishRetrieve { lease_id: lease_id.to_string(), rank }, Value::into_unit;
+    fn cancel_retrieve / cancel_retrieve_async (lease_id: &str, rank: Option<u32>) -> ()
+        = Request::CancelRetrieve { lease_id: lease_id.to_string(), rank }, Value::into_unit;
     fn status / status_async () -> ServiceStatus
         = Request::Status, Value::into_status;
-    /// Drops L1 (and with `all_tiers` L2) copies.
     fn clear / clear_async (force: bool, all_tiers: bool) -> ClearReport
         = Request::Clear { force, all_tiers }, Value::into_clear;
-    /// Every listed generation (operators' `inspect`).
     fn list_generations / list_generations_async () -> Vec<GenerationInfo>
         = Request::ListGenerations, Value::into_generations;
 }
@@ -571,29 +556,6 @@ impl Drop for Client {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-/// Writes all of `frame` (no SIGPIPE; honours the socket's write timeout).
-fn send_all(stream: &UnixStream, frame: &[u8]) -> std::io::Result<()> {
-    send_counted(stream, frame).1
-}
-
-/// [`send_all`] that also tells how many bytes left before a failure.
-fn send_counted(stream: &UnixStream, frame: &[u8]) -> (usize, std::io::Result<()>) {
-    use rustix::net::{SendFlags, send};
-    let mut sent = 0;
-    while sent < frame.len() {
-        match send(stream.as_fd(), &frame[sent..], SendFlags::NOSIGNAL) {
-            Ok(0) => {
-                let e = std::io::Error::new(std::io::ErrorKind::WriteZero, "socket closed");
-                return (sent, Err(e));
-            }
-            Ok(n) => sent += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return (sent, Err(e.into())),
-        }
-    }
-    (sent, Ok(()))
 }
 
 /// The reader thread: routes replies to their slots until the connection

@@ -81,7 +81,8 @@
 //! # Server and client
 //!
 //! [`Server`] serves one [`CheckpointService`](crate::service::CheckpointService)
-//! to any number of connections (a thread each; `prepare_store`, which may
+//! to any number of connections, decoding each request into one call of the
+//! [`Checkpoints`](crate::protocol::Checkpoints) operation set (a thread each; `prepare_store`, which may
 //! wait for space, on a thread of its own). [`Client`] is thread-safe,
 //! pipelines, times out blocking calls, offers `*_async` futures, and
 //! reconnects after a server restart (calls in flight then fail with
@@ -92,6 +93,7 @@ pub mod client;
 pub mod server;
 pub mod wire;
 
-pub use client::{Client, ClientConfig, Pending, PendingReply};
-pub use server::{Server, ServerConfig, ShutdownReport, temp_socket_path};
+pub use crate::protocol::Pending;
+pub use client::{Client, ClientConfig, PendingReply};
+pub use server::{Server, ServerConfig, ShutdownReport, default_socket_path, temp_socket_path};
 pub use wire::{PROTOCOL_VERSION, Reply, Request, Value};

@@ -9,14 +9,17 @@
 //! per-connection write lock with a write timeout, so a client that stops
 //! reading loses its own connection and never blocks anyone else.
 //!
+//! Requests are carried out through [`Request::apply`] on [`Served`], the
+//! service as the server exposes it: the same operations, except that
+//! admission stops at shutdown and status adds the RPC layer's counters.
+//!
 //! Leases belong to ranks, not to connections: a client that disconnects
 //! with live leases leaves them live (its worker may still be copying), and
-//! any connection may finish them. The server remembers which rank obtained
-//! each lease and refuses a finish/poll/cancel that names another rank.
+//! any connection may finish them. A finish/poll/cancel that names another
+//! rank than the lease's is refused by the service.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::{BufReader, ErrorKind as IoKind};
-use std::os::fd::AsFd;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -30,9 +33,12 @@ use parking_lot::Mutex;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
-use crate::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig, ServiceStatus};
+use crate::protocol::{
+    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, MissReason, ServiceStatus,
+};
+use crate::service::{CheckpointService, ServiceConfig};
 
-use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, Request, Value, WireManifest};
+use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, Request};
 
 /// How long a new connection may take to send its hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -61,8 +67,6 @@ pub struct ServerConfig {
     /// Remove the socket's directory at shutdown (a temporary directory
     /// made for this server, see [`temp_socket_path`]).
     pub remove_dir_on_stop: bool,
-    /// Most leases whose owning rank is remembered (oldest forgotten first).
-    pub max_tracked_leases: usize,
 }
 
 impl ServerConfig {
@@ -75,7 +79,6 @@ impl ServerConfig {
             write_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
             remove_dir_on_stop: false,
-            max_tracked_leases: 1 << 16,
         }
     }
 }
@@ -90,6 +93,24 @@ pub struct ShutdownReport {
     /// Why closing the service failed (it is then dropped, which still
     /// drains its L2 queue); None when it closed cleanly.
     pub close_error: Option<String>,
+}
+
+/// The socket a sidecar listens on when none is configured:
+/// `$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock` when that directory exists,
+/// else `/tmp/lmcache-rc-<uid>/sidecar.sock`.
+pub fn default_socket_path() -> PathBuf {
+    let runtime = std::env::var_os("XDG_RUNTIME_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir());
+    let dir = match runtime {
+        Some(d) => d.join("lmcache-rc"),
+        None => PathBuf::from(format!(
+            "/tmp/lmcache-rc-{}",
+            rustix::process::getuid().as_raw()
+        )),
+    };
+    dir.join("sidecar.sock")
 }
 
 /// A fresh socket path `<tmp>/lmcache-rc-<pid>-<n>/sidecar.sock` in a new
@@ -115,62 +136,6 @@ pub fn temp_socket_path() -> Result<PathBuf> {
     )))
 }
 
-/// Which rank obtained a lease, and over which connection.
-#[derive(Debug, Clone, Copy)]
-struct LeaseOwner {
-    rank: u32,
-    conn: u64,
-}
-
-/// lease id → owner, bounded (oldest forgotten first).
-struct LeaseRegistry {
-    owners: HashMap<String, LeaseOwner>,
-    order: VecDeque<String>,
-    cap: usize,
-}
-
-impl LeaseRegistry {
-    fn new(cap: usize) -> Self {
-        LeaseRegistry {
-            owners: HashMap::new(),
-            order: VecDeque::new(),
-            cap: cap.max(1),
-        }
-    }
-    fn insert(&mut self, id: String, owner: LeaseOwner) {
-        if self.owners.insert(id.clone(), owner).is_none() {
-            self.order.push_back(id);
-        }
-        while self.owners.len() > self.cap {
-            match self.order.pop_front() {
-                Some(old) => {
-                    self.owners.remove(&old);
-                }
-                None => break,
-            }
-        }
-        if self.order.len() > 2 * self.cap + 16 {
-            let owners = &self.owners;
-            self.order.retain(|k| owners.contains_key(k));
-        }
-    }
-    fn remove(&mut self, id: &str) {
-        self.owners.remove(id);
-    }
-    fn check(&self, id: &str, rank: Option<u32>) -> Result<()> {
-        match (rank, self.owners.get(id)) {
-            (Some(rank), Some(owner)) if owner.rank != rank => Err(Error::invalid(format!(
-                "lease {id} belongs to rank {}, not rank {rank}",
-                owner.rank
-            ))),
-            _ => Ok(()),
-        }
-    }
-    fn held_by(&self, conn: u64) -> usize {
-        self.owners.values().filter(|o| o.conn == conn).count()
-    }
-}
-
 /// One served connection's write side.
 struct Conn {
     id: u64,
@@ -192,7 +157,6 @@ struct Shared {
     conns: Mutex<HashMap<u64, Registered>>,
     next_conn: AtomicU64,
     offloaded: AtomicUsize,
-    leases: Mutex<LeaseRegistry>,
     requests: AtomicU64,
     protocol_errors: AtomicU64,
     connections_total: AtomicU64,
@@ -250,7 +214,6 @@ impl Server {
         }
         let shared = Arc::new(Shared {
             service,
-            leases: Mutex::new(LeaseRegistry::new(config.max_tracked_leases)),
             config,
             socket_id,
             admitting: AtomicBool::new(true),
@@ -398,18 +361,20 @@ fn live_leases(shared: &Shared) -> u64 {
 
 fn status_of(shared: &Shared) -> Result<ServiceStatus> {
     let mut s = shared.service.status()?;
+    let rpc = [
+        ("rpc_connections", shared.conns.lock().len() as u64),
+        (
+            "rpc_connections_total",
+            shared.connections_total.load(Ordering::Relaxed),
+        ),
+        ("rpc_requests", shared.requests.load(Ordering::Relaxed)),
+        (
+            "rpc_protocol_errors",
+            shared.protocol_errors.load(Ordering::Relaxed),
+        ),
+    ];
     s.values
-        .insert("rpc_connections", shared.conns.lock().len() as u64);
-    s.values.insert(
-        "rpc_connections_total",
-        shared.connections_total.load(Ordering::Relaxed),
-    );
-    s.values
-        .insert("rpc_requests", shared.requests.load(Ordering::Relaxed));
-    s.values.insert(
-        "rpc_protocol_errors",
-        shared.protocol_errors.load(Ordering::Relaxed),
-    );
+        .extend(rpc.into_iter().map(|(k, v)| (k.to_string(), v)));
     Ok(s)
 }
 
@@ -637,19 +602,9 @@ fn refuse(stream: UnixStream, message: &str) {
     let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
-/// Writes all of `frame` (no SIGPIPE; honours the socket's write timeout).
+/// Writes all of `frame` (see [`wire::send_frame`]).
 fn send_all(stream: &UnixStream, frame: &[u8]) -> std::io::Result<()> {
-    use rustix::net::{SendFlags, send};
-    let mut sent = 0;
-    while sent < frame.len() {
-        match send(stream.as_fd(), &frame[sent..], SendFlags::NOSIGNAL) {
-            Ok(0) => return Err(std::io::Error::new(IoKind::WriteZero, "socket closed")),
-            Ok(n) => sent += n,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
+    wire::send_frame(stream, frame).map_err(|(_, e)| e)
 }
 
 impl Conn {
@@ -699,13 +654,7 @@ fn serve_connection(shared: Arc<Shared>, id: u64, stream: UnixStream) {
     // on its own thread (its reply then goes nowhere; the lease stays live).
     let _ = conn.writer.lock().shutdown(std::net::Shutdown::Both);
     shared.conns.lock().remove(&id);
-    let held = shared.leases.lock().held_by(id);
-    if held > 0 {
-        log::info!(
-            "RPC connection {id} closed with {held} live lease(s); they stay live until \
-             finished (any connection may finish them) or reclaimed"
-        );
-    }
+    log::debug!("RPC connection {id} closed (its leases, if any, stay live until finished)");
 }
 
 /// Reads the hello and answers it; false = the connection is done.
@@ -806,7 +755,7 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, rid: u64, request: Request) 
     if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
         let (s, c) = (shared.clone(), conn.clone());
         let job = move || {
-            let reply = run(&s, c.id, request);
+            let reply = run(&s, request);
             c.send(&s, rid, &reply);
             s.offloaded.fetch_sub(1, Ordering::SeqCst);
         };
@@ -830,15 +779,15 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, rid: u64, request: Request) 
     if may_wait {
         shared.offloaded.fetch_sub(1, Ordering::SeqCst);
     }
-    let reply = run(shared, conn.id, request);
+    let reply = run(shared, request);
     conn.send(shared, rid, &reply);
 }
 
 /// Executes one request; a panic becomes an `Internal` error reply (I9).
-fn run(shared: &Shared, conn: u64, request: Request) -> Reply {
+fn run(shared: &Shared, request: Request) -> Reply {
     let name = request.name();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        execute(shared, conn, request)
+        request.apply(&Served(shared))
     }));
     match outcome {
         Ok(result) => Reply::from_result(result),
@@ -857,110 +806,68 @@ fn run(shared: &Shared, conn: u64, request: Request) -> Reply {
     }
 }
 
-fn shutdown_miss() -> Lease {
-    Lease {
-        status: LeaseStatus::Miss,
-        lease_id: None,
-        slots: Vec::new(),
-        reason: Some("shutdown"),
+/// The service as the server exposes it: admission stops at shutdown
+/// (`begin` answers false, `prepare_store` and `begin_retrieve` miss with
+/// reason `shutdown`) and `status` adds the RPC layer's counters; every
+/// other operation is the service's own.
+struct Served<'a>(&'a Shared);
+
+impl Served<'_> {
+    fn admitting(&self) -> bool {
+        self.0.admitting.load(Ordering::SeqCst)
+    }
+    fn service(&self) -> &CheckpointService {
+        &self.0.service
     }
 }
 
-fn execute(shared: &Shared, conn: u64, request: Request) -> Result<Value> {
-    let svc = &*shared.service;
-    let admitting = || shared.admitting.load(Ordering::SeqCst);
-    match request {
-        Request::Capabilities => Ok(Value::Capabilities(svc.capabilities().into())),
-        Request::Find { roots } => {
-            let roots = roots
-                .into_iter()
-                .map(Prefix::try_from)
-                .collect::<Result<Vec<_>>>()?;
-            let found = svc.find(&roots)?;
-            Ok(Value::Manifest(found.as_ref().map(WireManifest::from)))
-        }
-        Request::Begin { manifest } => {
-            let manifest = Manifest::try_from(manifest)?;
-            if !admitting() {
-                return Ok(Value::Bool(false));
-            }
-            svc.begin(&manifest).map(Value::Bool)
-        }
-        Request::Abort { generation } => svc.abort(&generation).map(|()| Value::Unit),
-        Request::PrepareStore { manifest, rank } => {
-            let manifest = Manifest::try_from(manifest)?;
-            if !admitting() {
-                return Ok(Value::Lease(shutdown_miss().into()));
-            }
-            let lease = svc.prepare_store(&manifest, rank)?;
-            remember(shared, &lease, rank, conn);
-            Ok(Value::Lease(lease.into()))
-        }
-        Request::FinishStore {
-            lease_id,
-            success,
-            rank,
-        } => {
-            shared.leases.lock().check(&lease_id, rank)?;
-            let published = svc.finish_store(&lease_id, success);
-            shared.leases.lock().remove(&lease_id);
-            published.map(Value::Bool)
-        }
-        Request::BeginRetrieve { manifest, rank } => {
-            let manifest = Manifest::try_from(manifest)?;
-            if !admitting() {
-                return Ok(Value::Lease(shutdown_miss().into()));
-            }
-            let lease = svc.begin_retrieve(&manifest, rank)?;
-            remember(shared, &lease, rank, conn);
-            Ok(Value::Lease(lease.into()))
-        }
-        Request::PollRetrieve { lease_id, rank } => {
-            shared.leases.lock().check(&lease_id, rank)?;
-            match svc.poll_retrieve(&lease_id) {
-                Ok(lease) => {
-                    if lease.status == LeaseStatus::Miss {
-                        shared.leases.lock().remove(&lease_id);
-                    }
-                    Ok(Value::Lease(lease.into()))
-                }
-                Err(e) => {
-                    if e.kind() == ErrorKind::NotFound {
-                        shared.leases.lock().remove(&lease_id);
-                    }
-                    Err(e)
-                }
-            }
-        }
-        Request::FinishRetrieve { lease_id, rank } => {
-            shared.leases.lock().check(&lease_id, rank)?;
-            svc.finish_retrieve(&lease_id)?;
-            shared.leases.lock().remove(&lease_id);
-            Ok(Value::Unit)
-        }
-        Request::CancelRetrieve { lease_id, rank } => {
-            shared.leases.lock().check(&lease_id, rank)?;
-            svc.cancel_retrieve(&lease_id)?;
-            shared.leases.lock().remove(&lease_id);
-            Ok(Value::Unit)
-        }
-        Request::Status => Ok(Value::Status(status_of(shared)?.into())),
-        Request::Clear { force, all_tiers } => {
-            svc.clear(force, all_tiers).map(|r| Value::Clear(r.into()))
-        }
-        Request::ListGenerations => svc
-            .list_generations()
-            .map(|g| Value::Generations(g.into_iter().map(Into::into).collect())),
+impl Checkpoints for Served<'_> {
+    fn capabilities(&self) -> Result<Capabilities> {
+        Ok(self.service().capabilities())
     }
-}
-
-fn remember(shared: &Shared, lease: &Lease, rank: u32, conn: u64) {
-    if let Some(id) = &lease.lease_id {
-        if matches!(lease.status, LeaseStatus::Ready | LeaseStatus::Pending) {
-            shared
-                .leases
-                .lock()
-                .insert(id.clone(), LeaseOwner { rank, conn });
+    fn find(&self, roots: &[Prefix]) -> Result<Option<Manifest>> {
+        self.service().find(roots)
+    }
+    fn begin(&self, manifest: &Manifest) -> Result<bool> {
+        if !self.admitting() {
+            return Ok(false);
         }
+        self.service().begin(manifest)
+    }
+    fn abort(&self, generation: &str) -> Result<()> {
+        self.service().abort(generation)
+    }
+    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
+        if !self.admitting() {
+            return Ok(Lease::miss(MissReason::Shutdown));
+        }
+        self.service().prepare_store(manifest, rank)
+    }
+    fn finish_store(&self, lease_id: &str, success: bool, rank: Option<u32>) -> Result<bool> {
+        self.service().finish_store(lease_id, success, rank)
+    }
+    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
+        if !self.admitting() {
+            return Ok(Lease::miss(MissReason::Shutdown));
+        }
+        self.service().begin_retrieve(manifest, rank)
+    }
+    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<Lease> {
+        self.service().poll_retrieve(lease_id, rank)
+    }
+    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
+        self.service().finish_retrieve(lease_id, rank)
+    }
+    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
+        self.service().cancel_retrieve(lease_id, rank)
+    }
+    fn status(&self) -> Result<ServiceStatus> {
+        status_of(self.0)
+    }
+    fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
+        self.service().clear(force, all_tiers)
+    }
+    fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
+        self.service().list_generations()
     }
 }

@@ -7,23 +7,23 @@
 //! [`FrameError`] or an [`Error::Protocol`], an invalid value (a prefix or
 //! manifest the core refuses) an [`Error::InvalidInput`].
 
-use std::collections::{BTreeMap, HashSet};
 use std::io::{self, Read};
-use std::sync::{Mutex, OnceLock};
+use std::os::fd::AsFd;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
-use crate::service::{
-    Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, ServiceStatus,
+use crate::protocol::{
+    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, LeaseStatus, MissReason,
+    ServiceStatus,
 };
 
 /// First bytes of both handshake frames.
 pub const MAGIC: [u8; 4] = *b"LMRC";
 /// The protocol version this build speaks (also announced in capabilities).
-pub const PROTOCOL_VERSION: u32 = crate::service::PROTOCOL_VERSION;
+pub const PROTOCOL_VERSION: u32 = crate::protocol::PROTOCOL_VERSION;
 /// The oldest protocol version this build speaks.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// Default limit of one frame's payload (requests and replies): 64 MiB.
@@ -207,6 +207,61 @@ impl Request {
             Request::ListGenerations => "list_generations",
         }
     }
+
+    /// Carries the request out on `target`: decodes its arguments into core
+    /// values (a prefix or manifest the core refuses is its error, usually
+    /// `InvalidInput`) and makes the one matching [`Checkpoints`] call. The
+    /// server's whole dispatch.
+    pub fn apply(self, target: &dyn Checkpoints) -> Result<Value> {
+        Ok(match self {
+            Request::Capabilities => Value::Capabilities(target.capabilities()?.into()),
+            Request::Find { roots } => {
+                let roots = roots
+                    .into_iter()
+                    .map(Prefix::try_from)
+                    .collect::<Result<Vec<_>>>()?;
+                Value::Manifest(target.find(&roots)?.as_ref().map(WireManifest::from))
+            }
+            Request::Begin { manifest } => Value::Bool(target.begin(&manifest.try_into()?)?),
+            Request::Abort { generation } => {
+                target.abort(&generation)?;
+                Value::Unit
+            }
+            Request::PrepareStore { manifest, rank } => {
+                Value::Lease(target.prepare_store(&manifest.try_into()?, rank)?.into())
+            }
+            Request::FinishStore {
+                lease_id,
+                success,
+                rank,
+            } => Value::Bool(target.finish_store(&lease_id, success, rank)?),
+            Request::BeginRetrieve { manifest, rank } => {
+                Value::Lease(target.begin_retrieve(&manifest.try_into()?, rank)?.into())
+            }
+            Request::PollRetrieve { lease_id, rank } => {
+                Value::Lease(target.poll_retrieve(&lease_id, rank)?.into())
+            }
+            Request::FinishRetrieve { lease_id, rank } => {
+                target.finish_retrieve(&lease_id, rank)?;
+                Value::Unit
+            }
+            Request::CancelRetrieve { lease_id, rank } => {
+                target.cancel_retrieve(&lease_id, rank)?;
+                Value::Unit
+            }
+            Request::Status => Value::Status(target.status()?.into()),
+            Request::Clear { force, all_tiers } => {
+                Value::Clear(target.clear(force, all_tiers)?.into())
+            }
+            Request::ListGenerations => Value::Generations(
+                target
+                    .list_generations()?
+                    .into_iter()
+                    .map(Into::into)
+                    .collect(),
+            ),
+        })
+    }
 }
 
 /// [`Capabilities`] on the wire.
@@ -285,7 +340,7 @@ impl From<Lease> for WireLease {
             },
             lease_id: l.lease_id,
             slots: l.slots,
-            reason: l.reason.map(str::to_string),
+            reason: l.reason.map(|r| r.as_str().to_string()),
         }
     }
 }
@@ -301,7 +356,7 @@ impl From<WireLease> for Lease {
             },
             lease_id: l.lease_id,
             slots: l.slots,
-            reason: l.reason.as_deref().map(intern),
+            reason: l.reason.as_deref().map(MissReason::from_name),
         }
     }
 }
@@ -318,11 +373,7 @@ pub struct WireStatus {
 impl From<ServiceStatus> for WireStatus {
     fn from(s: ServiceStatus) -> Self {
         WireStatus {
-            values: s
-                .values
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
+            values: s.values.into_iter().collect(),
             misses: s.misses.into_iter().collect(),
         }
     }
@@ -330,10 +381,8 @@ impl From<ServiceStatus> for WireStatus {
 
 impl From<WireStatus> for ServiceStatus {
     fn from(s: WireStatus) -> Self {
-        let values: BTreeMap<&'static str, u64> =
-            s.values.iter().map(|(k, v)| (intern(k), *v)).collect();
         ServiceStatus {
-            values,
+            values: s.values.into_iter().collect(),
             misses: s.misses.into_iter().collect(),
         }
     }
@@ -546,14 +595,7 @@ impl From<&Error> for WireError {
 impl From<WireError> for Error {
     fn from(e: WireError) -> Self {
         match ErrorKind::from_name(&e.kind) {
-            Some(ErrorKind::Unavailable) => Error::Unavailable(e.message),
-            Some(ErrorKind::Protocol) => Error::Protocol(e.message),
-            Some(ErrorKind::Timeout) => Error::Timeout(e.message),
-            Some(ErrorKind::Internal) => Error::Internal(e.message),
-            Some(kind) => Error::Remote {
-                kind,
-                message: e.message,
-            },
+            Some(kind) => Error::from_kind(kind, e.message),
             None => Error::Protocol(format!(
                 "the server replied with an error of unknown kind {:?}: {}",
                 e.kind, e.message
@@ -849,28 +891,27 @@ pub fn read_frame(
 }
 
 // ---------------------------------------------------------------------------
-// Interning names received from a server
+// Writing frames
 
-/// Most distinct names interned (miss reasons, status keys); beyond it a
-/// name becomes `"other"` so a misbehaving server cannot grow memory.
-const MAX_INTERNED: usize = 4096;
-
-/// A `&'static str` for a name received over the wire (the core types use
-/// static names). Each distinct name is leaked once, up to a bound.
-pub fn intern(name: &str) -> &'static str {
-    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
-    let names = NAMES.get_or_init(|| Mutex::new(HashSet::new()));
-    let mut names = match names.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    };
-    if let Some(found) = names.get(name) {
-        return found;
+/// Writes all of `frame` to a Unix stream (no SIGPIPE; honours the socket's
+/// write timeout). On failure, also tells how many bytes left before it: a
+/// frame of which nothing left cannot have reached the peer.
+pub fn send_frame(
+    stream: &std::os::unix::net::UnixStream,
+    frame: &[u8],
+) -> std::result::Result<(), (usize, io::Error)> {
+    use rustix::net::{SendFlags, send};
+    let mut sent = 0;
+    while sent < frame.len() {
+        match send(stream.as_fd(), &frame[sent..], SendFlags::NOSIGNAL) {
+            Ok(0) => {
+                let e = io::Error::new(io::ErrorKind::WriteZero, "socket closed");
+                return Err((sent, e));
+            }
+            Ok(n) => sent += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err((sent, e.into())),
+        }
     }
-    if names.len() >= MAX_INTERNED {
-        return "other";
-    }
-    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
-    names.insert(leaked);
-    leaked
+    Ok(())
 }

@@ -2,13 +2,23 @@
 //! reference counts, the L1 LRU, leases and pending generations.
 //!
 //! Everything here runs under the service's one mutex and never blocks: no
-//! file I/O, no SQLite, no copies. Operations that need those return what to do
-//! and the caller performs it after unlocking.
+//! file I/O, no SQLite, no copies. Operations that need those queue what to
+//! do ([`State::l2_writes`], [`State::l2_deletes`], [`State::loads`],
+//! [`State::newly_durable`], [`State::to_retire`]); the lock guard
+//! (`tiers::Locked`) performs it when it is released, so no caller can
+//! forget to.
+//!
+//! An object's four counts (`refs`, `pins`, `readers`, `io`) are private to
+//! this module: they change only through the methods of [`State`], which
+//! also count every release ([`State::releases`]) so that the guard knows
+//! when a store waiting for space should look again.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::counters::{Counter, Counters};
+use crate::protocol::MissReason;
 use crate::store::ObjectKey;
 use crate::store::alloc::{Slot as AllocSlot, SlotAllocator};
 
@@ -48,13 +58,13 @@ pub struct Obj {
     /// L2 state.
     pub l2: L2,
     /// Listed generations naming it.
-    pub refs: u32,
+    refs: u32,
     /// Pending generations pinning it (reused or freshly written pages).
-    pub pins: u32,
+    pins: u32,
     /// Retrieve leases holding it.
-    pub readers: u32,
+    readers: u32,
     /// Background I/O jobs reading or writing its bytes.
-    pub io: u32,
+    io: u32,
     /// LRU tick of its L1 copy (0 = not in the LRU).
     pub tick: u64,
     /// Listed generations naming it (for retirement when its last copy goes).
@@ -89,6 +99,27 @@ impl Obj {
             l2: L2::Absent,
             ..Obj::on_disk(page_bytes)
         }
+    }
+
+    /// Listed generations naming it.
+    pub fn refs(&self) -> u32 {
+        self.refs
+    }
+
+    /// Nothing holds it: no retrieve reader, no pin, no background I/O and
+    /// no retrieve waiting for its load.
+    pub fn idle(&self) -> bool {
+        self.readers == 0 && self.pins == 0 && self.io == 0 && self.waiters.is_empty()
+    }
+
+    /// No pending generation pins it and no retrieve reads it.
+    pub fn idle_holds(&self) -> bool {
+        self.pins == 0 && self.readers == 0
+    }
+
+    /// No background I/O job reads or writes its bytes.
+    pub fn idle_io(&self) -> bool {
+        self.io == 0
     }
 
     /// Whether a store may reuse it without copying (committed somewhere).
@@ -165,8 +196,10 @@ pub struct RetrieveLease {
     pub held: Vec<bool>,
     /// Slots were returned to the worker (finish required).
     pub exposed: bool,
+    /// The rank restoring (lease calls naming another rank are refused).
+    pub rank: u32,
     /// Why it failed, if it did (reported by the next poll).
-    pub failed: Option<&'static str>,
+    pub failed: Option<MissReason>,
     /// Started, for the capacity wait bound.
     pub started: Instant,
 }
@@ -193,8 +226,11 @@ pub struct State {
     pub retrieve_leases: HashMap<u64, RetrieveLease>,
     pub pending: HashMap<String, PendingGen>,
     pub listed: HashMap<Arc<str>, ListedGen>,
-    pub counters: BTreeMap<&'static str, u64>,
-    pub misses: BTreeMap<String, u64>,
+    /// Event and miss counts.
+    pub counters: Counters,
+    /// Holds released so far (pins, readers, I/O, slots, stagings): the
+    /// lock guard wakes stores waiting for space when it moved.
+    pub releases: u64,
     pub next_lease: u64,
     /// Epoch of the next staged generation.
     pub next_epoch: u64,
@@ -212,6 +248,8 @@ pub struct State {
     pub newly_durable: Vec<Arc<str>>,
     /// Generations to retire in the directory, drained by the caller.
     pub to_retire: Vec<Arc<str>>,
+    /// L2 loads to start (key, slot offset, length), drained by the caller.
+    pub loads: Vec<(ObjectKey, u64, u64)>,
     /// L2 file bytes of writes queued or running (not yet in the tier's accounting).
     pub l2_queued_bytes: u64,
 }
@@ -228,8 +266,8 @@ impl State {
             retrieve_leases: HashMap::new(),
             pending: HashMap::new(),
             listed: HashMap::new(),
-            counters: BTreeMap::new(),
-            misses: BTreeMap::new(),
+            counters: Counters::default(),
+            releases: 0,
             next_lease: 1,
             next_epoch: 1,
             lease_salt,
@@ -239,16 +277,98 @@ impl State {
             l2_writes: Vec::new(),
             newly_durable: Vec::new(),
             to_retire: Vec::new(),
+            loads: Vec::new(),
             l2_queued_bytes: 0,
         }
     }
 
-    pub fn count(&mut self, name: &'static str, by: u64) {
-        *self.counters.entry(name).or_insert(0) += by;
+    /// Adds `by` to an event counter.
+    pub fn count(&mut self, counter: Counter, by: u64) {
+        self.counters.add(counter, by);
     }
 
-    pub fn miss(&mut self, reason: &str) {
-        *self.misses.entry(reason.to_string()).or_insert(0) += 1;
+    /// Counts a miss and returns the lease that reports it.
+    pub fn miss(&mut self, reason: MissReason) -> crate::protocol::Lease {
+        self.counters.miss(reason);
+        crate::protocol::Lease::miss(reason)
+    }
+
+    /// Whether side effects wait to be performed outside the lock.
+    pub fn has_side_effects(&self) -> bool {
+        !(self.l2_writes.is_empty()
+            && self.l2_deletes.is_empty()
+            && self.newly_durable.is_empty()
+            && self.to_retire.is_empty()
+            && self.loads.is_empty())
+    }
+
+    /// What tells a waiting store that space may have come free: the
+    /// allocator's changes and the holds released.
+    pub fn wake_token(&self) -> (u64, u64) {
+        (self.alloc.change_generation(), self.releases)
+    }
+
+    /// Pins an object for a pending generation (a reused or written page).
+    pub fn pin(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.pins += 1;
+        }
+    }
+
+    /// Drops one pin (the object is not reclaimed here: see [`State::maybe_reclaim`]).
+    pub fn unpin(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.pins = obj.pins.saturating_sub(1);
+            self.releases += 1;
+        }
+    }
+
+    /// Adds a retrieve reader to an object.
+    pub fn add_reader(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.readers += 1;
+        }
+    }
+
+    /// Drops a retrieve reader (the object is not reclaimed here).
+    pub fn drop_reader(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.readers = obj.readers.saturating_sub(1);
+            self.releases += 1;
+        }
+    }
+
+    /// Notes a background I/O job on an object's bytes (its slot stays).
+    pub fn start_io(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.io += 1;
+        }
+    }
+
+    /// Notes the end of a background I/O job on an object.
+    pub fn end_io(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.io = obj.io.saturating_sub(1);
+            self.releases += 1;
+        }
+    }
+
+    /// Records an object a store lease writes into `slot`, pinned once for
+    /// its pending generation (a record without bytes is rewritten).
+    pub fn insert_writing(&mut self, key: ObjectKey, page_bytes: u64, slot: AllocSlot, lease: u64) {
+        match self.objects.get_mut(&key) {
+            Some(obj) => {
+                obj.slot = Some(slot);
+                obj.l1 = L1::Writing(lease);
+                obj.page_bytes = page_bytes;
+                obj.pins += 1;
+            }
+            None => {
+                let mut obj = Obj::writing(page_bytes, slot, lease);
+                obj.pins = 1;
+                self.objects.insert(key, obj);
+            }
+        }
     }
 
     /// A new lease number and its public id (32 hex characters).
@@ -270,6 +390,15 @@ impl State {
 
     pub fn live_leases(&self) -> usize {
         self.store_ranks.len() + self.retrieve_leases.len()
+    }
+
+    /// Makes an object's L1 copy readable (written or loaded), most recently used.
+    pub fn set_ready(&mut self, key: &ObjectKey) {
+        if let Some(obj) = self.objects.get_mut(key) {
+            obj.l1 = L1::Ready;
+            self.releases += 1;
+        }
+        self.touch(key);
     }
 
     /// Moves an L1-resident object to the MRU end.
@@ -336,7 +465,7 @@ impl State {
             if obj.l2 != L2::Absent {
                 self.queue_l2_delete(*key);
             }
-            self.count("reclaimed_objects", 1);
+            self.count(Counter::ReclaimedObjects, 1);
         }
         true
     }
@@ -368,6 +497,7 @@ impl State {
         for key in &gen_info.keys {
             if let Some(obj) = self.objects.get_mut(key) {
                 obj.refs = obj.refs.saturating_sub(1);
+                self.releases += 1;
                 if let Some(pos) = obj
                     .gens
                     .iter()
@@ -388,10 +518,9 @@ impl State {
         let Some(pg) = self.pending.remove(generation) else {
             return;
         };
+        self.releases += 1;
         for key in &pg.pinned {
-            if let Some(obj) = self.objects.get_mut(key) {
-                obj.pins = obj.pins.saturating_sub(1);
-            }
+            self.unpin(key);
         }
         for key in &pg.pinned {
             self.maybe_reclaim(key);
@@ -407,6 +536,7 @@ impl State {
             return;
         }
         obj.l2 = L2::Durable;
+        self.releases += 1;
         let gens = obj.gens.clone();
         for g in gens {
             if let Some(info) = self.listed.get_mut(&g) {
@@ -471,14 +601,14 @@ impl State {
             }
             if obj.refs == 0 {
                 self.maybe_reclaim(&key);
-                self.count("l1_evictions", 1);
+                self.count(Counter::L1Evictions, 1);
             } else if obj.l2 == L2::Durable {
                 self.drop_l1(&key);
-                self.count("l1_evictions", 1);
+                self.count(Counter::L1Evictions, 1);
             } else if retire_ok && obj.l2 == L2::Absent {
                 self.retire_generations_of(&key);
-                self.count("l1_evictions", 1);
-                self.count("evictions", 1);
+                self.count(Counter::L1Evictions, 1);
+                self.count(Counter::Evictions, 1);
             }
         }
         self.alloc.largest_free() >= needed
@@ -511,10 +641,7 @@ impl State {
             .filter(|(_, o)| !o.gens.iter().any(|g| protected.contains(g)))
             .filter(|(k, o)| {
                 o.l2 == L2::Durable
-                    && o.pins == 0
-                    && o.readers == 0
-                    && o.io == 0
-                    && o.waiters.is_empty()
+                    && o.idle()
                     && matches!(o.l1, L1::Absent | L1::Ready)
                     && !waiting.contains(k)
             })
@@ -533,19 +660,20 @@ impl State {
             let before = self.l2_deletes.len();
             if self.objects.get(&key).is_some_and(|o| o.refs > 0) {
                 self.retire_generations_of(&key);
-                self.count("evictions", 1);
+                self.count(Counter::Evictions, 1);
             }
             self.maybe_reclaim(&key);
             let gone: u64 = self.l2_deletes[before..].iter().map(&file_bytes).sum();
             if gone > 0 {
                 any = true;
                 freed += gone;
-                self.count("l2_evictions", 1);
+                self.count(Counter::L2Evictions, 1);
             }
         }
         any
     }
 
+    /// Pins plus readers over every object (status `pins`).
     pub fn pins_total(&self) -> u64 {
         self.objects
             .values()

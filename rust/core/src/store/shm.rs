@@ -504,3 +504,92 @@ impl Drop for ShmPool {
         }
     }
 }
+
+/// The default L1 pool size: a quarter of the free space of `/dev/shm`, at
+/// most 1 GiB and at least 16 MiB (64 MiB when `/dev/shm` cannot be read),
+/// rounded down to 4 KiB.
+pub fn default_l1_bytes() -> u64 {
+    const GIB: u64 = 1 << 30;
+    let free = rustix::fs::statvfs("/dev/shm")
+        .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
+        .unwrap_or(0);
+    let size = if free > 0 {
+        GIB.min(free / 4)
+    } else {
+        64 << 20
+    };
+    let size = size.max(16 << 20);
+    size - size % 4096
+}
+
+/// The pool name derived from a server's socket path, unique per socket:
+/// `lmcache-rc-` + the first 16 hex digits of SHA-256 of the absolute path
+/// (made absolute and normalised lexically, like Python's `os.path.abspath`).
+pub fn shm_name_for(socket: &std::path::Path) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(absolute_lexical(socket));
+    format!("lmcache-rc-{}", &hex::encode(digest)[..16])
+}
+
+/// `path` joined to the working directory and normalised without touching
+/// the filesystem: `.` and empty components dropped, `..` removing the
+/// component before it (never above the root), POSIX's `//` prefix kept.
+fn absolute_lexical(path: &std::path::Path) -> Vec<u8> {
+    use std::os::unix::ffi::OsStrExt;
+    let joined = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .unwrap_or_else(|_| PathBuf::from("/"))
+            .join(path)
+    };
+    let bytes = joined.as_os_str().as_bytes();
+    let leading = bytes.iter().take_while(|b| **b == b'/').count();
+    let mut parts: Vec<&[u8]> = Vec::new();
+    for part in bytes.split(|b| *b == b'/') {
+        match part {
+            b"" | b"." => {}
+            b".." => {
+                parts.pop();
+            }
+            other => parts.push(other),
+        }
+    }
+    let mut out = if leading == 2 {
+        b"//".to_vec()
+    } else {
+        b"/".to_vec()
+    };
+    out.extend(parts.join(&b'/'));
+    out
+}
+
+#[cfg(test)]
+mod naming_tests {
+    use super::*;
+
+    #[test]
+    fn the_derived_pool_name_normalises_the_socket_path() {
+        let a = shm_name_for(std::path::Path::new("/run/user/1/lmcache-rc/sidecar.sock"));
+        let b = shm_name_for(std::path::Path::new(
+            "/run//user/1/./x/../lmcache-rc/sidecar.sock",
+        ));
+        assert_eq!(a, b);
+        // Python's sha256(os.path.abspath(p).encode()), the name earlier
+        // releases derived, so a restarted sidecar still replaces its segment.
+        assert_eq!(a, "lmcache-rc-da89d37b665bf122");
+        assert!(a.starts_with("lmcache-rc-") && a.len() == "lmcache-rc-".len() + 16);
+        assert_ne!(a, shm_name_for(std::path::Path::new("/tmp/other.sock")));
+        assert_eq!(
+            absolute_lexical(std::path::Path::new("/a/b/../../../c")),
+            b"/c".to_vec()
+        );
+    }
+
+    #[test]
+    fn the_default_pool_size_is_page_aligned_and_bounded() {
+        let size = default_l1_bytes();
+        assert_eq!(size % 4096, 0);
+        assert!((16 << 20..=1 << 30).contains(&size), "{size}");
+    }
+}

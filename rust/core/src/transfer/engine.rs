@@ -17,7 +17,7 @@ use super::sidecar::{LeaseAnswer, LeaseApi, LeaseCall};
 use crate::error::{Error, ErrorKind, Result};
 use crate::json;
 use crate::manifest::{CheckpointPayload, Manifest, PayloadSchema};
-use crate::service::{Capabilities, Lease, LeaseStatus};
+use crate::protocol::{Capabilities, Lease, LeaseStatus, MissReason};
 use crate::store::shm::ShmPool;
 
 /// Settings of a [`TransferEngine`].
@@ -832,7 +832,9 @@ impl Inner {
                     backoff_sleep(&mut step, Duration::from_millis(10), deadline);
                 }
                 LeaseStatus::Miss => {
-                    return Err(Outcome::Miss(lease.reason.unwrap_or("miss").to_string()));
+                    return Err(Outcome::Miss(
+                        lease.reason.map_or("miss", MissReason::as_str).to_string(),
+                    ));
                 }
                 LeaseStatus::Pending => {
                     return Err(Outcome::Failed(Error::Protocol(
@@ -894,9 +896,9 @@ impl Inner {
             (LeaseStatus::Ready, None) => Err(Outcome::Failed(Error::Protocol(
                 "a ready retrieve lease has no id".into(),
             ))),
-            (LeaseStatus::Miss, _) => {
-                Err(Outcome::Miss(lease.reason.unwrap_or("miss").to_string()))
-            }
+            (LeaseStatus::Miss, _) => Err(Outcome::Miss(
+                lease.reason.map_or("miss", MissReason::as_str).to_string(),
+            )),
             (other, _) => Err(Outcome::Failed(Error::Protocol(format!(
                 "begin_retrieve answered {:?}",
                 other.as_str()

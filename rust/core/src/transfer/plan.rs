@@ -13,7 +13,7 @@ use std::collections::HashSet;
 
 use crate::error::{Error, Result};
 use crate::manifest::PayloadSchema;
-use crate::service::{Capabilities, Lease, LeaseStatus};
+use crate::protocol::{Capabilities, Lease, LeaseStatus};
 use crate::store::shm::ShmPool;
 
 use super::layout::PageLayout;

@@ -3,18 +3,19 @@
 //! The engine needs six lease operations and the capabilities, and for the
 //! RPC-timeout reconciliation of spec §7.3 it must be able to wait *again on
 //! the same reply* rather than send a second request. [`LeaseApi`] therefore
-//! hands out a [`ReplyHandle`] per call. It is implemented by the RPC
-//! [`Client`] (the normal case: the sidecar in another process) and by the
-//! in-process [`CheckpointService`] (embedded use and tests); tests also
-//! implement it to inject slow, lost or malformed replies.
+//! hands out a [`ReplyHandle`] per call. Its calls are the `*_async`
+//! operations of the protocol ([`CheckpointsAsync`]), so any implementation
+//! of the protocol serves: the RPC client (the normal case: the sidecar in
+//! another process) and the in-process service (embedded use and tests);
+//! tests also implement [`LeaseApi`] to inject slow, lost or malformed
+//! replies.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Result;
 use crate::manifest::Manifest;
-use crate::rpc::client::{Client, Pending};
-use crate::service::{Capabilities, CheckpointService, Lease};
+use crate::protocol::{Capabilities, Checkpoints, CheckpointsAsync, Lease, Pending};
 
 /// One lease operation of a transfer job.
 #[derive(Debug, Clone)]
@@ -97,103 +98,63 @@ pub trait LeaseApi: Send + Sync {
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle>;
 }
 
-/// An RPC future whose value becomes a [`LeaseAnswer`].
-struct RpcReply<T> {
+/// A protocol future whose value becomes a [`LeaseAnswer`].
+struct Answer<T> {
     pending: Pending<T>,
     wrap: fn(T) -> LeaseAnswer,
 }
 
-impl<T: Send> ReplyHandle for RpcReply<T> {
+impl<T: Send + 'static> ReplyHandle for Answer<T> {
     fn wait(&self, timeout: Duration) -> Result<LeaseAnswer> {
         self.pending.wait(Some(timeout)).map(self.wrap)
     }
 }
 
-fn boxed<T: Send + 'static>(
+fn answer<T: Send + 'static>(
     pending: Pending<T>,
     wrap: fn(T) -> LeaseAnswer,
 ) -> Box<dyn ReplyHandle> {
-    Box::new(RpcReply { pending, wrap })
+    Box::new(Answer { pending, wrap })
 }
 
-impl LeaseApi for Client {
-    fn capabilities(&self) -> Result<Capabilities> {
-        Client::capabilities(self)
-    }
-
-    fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
-        match call {
-            LeaseCall::PrepareStore { manifest, rank } => boxed(
-                self.prepare_store_async(&manifest, rank),
-                LeaseAnswer::Lease,
-            ),
-            LeaseCall::FinishStore { lease_id, success } => boxed(
-                self.finish_store_async(&lease_id, success),
-                LeaseAnswer::Bool,
-            ),
-            LeaseCall::BeginRetrieve { manifest, rank } => boxed(
-                self.begin_retrieve_async(&manifest, rank),
-                LeaseAnswer::Lease,
-            ),
-            LeaseCall::PollRetrieve { lease_id } => {
-                boxed(self.poll_retrieve_async(&lease_id), LeaseAnswer::Lease)
-            }
-            LeaseCall::FinishRetrieve { lease_id } => {
-                boxed(self.finish_retrieve_async(&lease_id), |()| {
-                    LeaseAnswer::Unit
-                })
-            }
-            LeaseCall::CancelRetrieve { lease_id } => {
-                boxed(self.cancel_retrieve_async(&lease_id), |()| {
-                    LeaseAnswer::Unit
-                })
-            }
+/// Sends one lease call through the `*_async` operations of `api`.
+fn call_async(api: &(impl CheckpointsAsync + ?Sized), call: LeaseCall) -> Box<dyn ReplyHandle> {
+    match call {
+        LeaseCall::PrepareStore { manifest, rank } => {
+            answer(api.prepare_store_async(&manifest, rank), LeaseAnswer::Lease)
+        }
+        LeaseCall::FinishStore { lease_id, success } => answer(
+            api.finish_store_async(&lease_id, success, None),
+            LeaseAnswer::Bool,
+        ),
+        LeaseCall::BeginRetrieve { manifest, rank } => answer(
+            api.begin_retrieve_async(&manifest, rank),
+            LeaseAnswer::Lease,
+        ),
+        LeaseCall::PollRetrieve { lease_id } => {
+            answer(api.poll_retrieve_async(&lease_id, None), LeaseAnswer::Lease)
+        }
+        LeaseCall::FinishRetrieve { lease_id } => {
+            answer(api.finish_retrieve_async(&lease_id, None), |()| {
+                LeaseAnswer::Unit
+            })
+        }
+        LeaseCall::CancelRetrieve { lease_id } => {
+            answer(api.cancel_retrieve_async(&lease_id, None), |()| {
+                LeaseAnswer::Unit
+            })
         }
     }
 }
 
-/// A reply computed at once (the in-process service answers synchronously).
-struct Ready(Result<LeaseAnswer>);
-
-impl ReplyHandle for Ready {
-    fn wait(&self, _timeout: Duration) -> Result<LeaseAnswer> {
-        match &self.0 {
-            Ok(answer) => Ok(answer.clone()),
-            Err(e) => Err(crate::Error::Remote {
-                kind: e.kind(),
-                message: e.to_string(),
-            }),
-        }
-    }
-}
-
-impl LeaseApi for CheckpointService {
+/// Every implementation of the protocol is a [`LeaseApi`]: the RPC client
+/// (the sidecar in another process) and the in-process service alike.
+impl<T: CheckpointsAsync> LeaseApi for T {
     fn capabilities(&self) -> Result<Capabilities> {
-        Ok(CheckpointService::capabilities(self))
+        Checkpoints::capabilities(self)
     }
-
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
-        let answer = match call {
-            LeaseCall::PrepareStore { manifest, rank } => {
-                self.prepare_store(&manifest, rank).map(LeaseAnswer::Lease)
-            }
-            LeaseCall::FinishStore { lease_id, success } => {
-                self.finish_store(&lease_id, success).map(LeaseAnswer::Bool)
-            }
-            LeaseCall::BeginRetrieve { manifest, rank } => {
-                self.begin_retrieve(&manifest, rank).map(LeaseAnswer::Lease)
-            }
-            LeaseCall::PollRetrieve { lease_id } => {
-                self.poll_retrieve(&lease_id).map(LeaseAnswer::Lease)
-            }
-            LeaseCall::FinishRetrieve { lease_id } => {
-                self.finish_retrieve(&lease_id).map(|()| LeaseAnswer::Unit)
-            }
-            LeaseCall::CancelRetrieve { lease_id } => {
-                self.cancel_retrieve(&lease_id).map(|()| LeaseAnswer::Unit)
-            }
-        };
-        Box::new(Ready(answer))
+        call_async(self, call)
     }
 }
 

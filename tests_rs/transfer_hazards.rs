@@ -1,7 +1,8 @@
-//! Transfer-engine rules found by review: a mapping's CUDA registration is
-//! released while the mapping and its backend still live, a backend refuses a
-//! plan outside its pools, a late pending poll whose cancel fails is never
-//! fatal, and `capabilities()` never waits for a remap in progress.
+//! Hazards the transfer engine avoids: a mapping's CUDA registration is
+//! released while the mapping and its backend still live (no use after
+//! unmap), a backend refuses a plan outside its pools (no stray copy), a late
+//! pending poll whose cancel fails is never fatal, and `capabilities()` never
+//! waits for a remap in progress.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -1,20 +1,28 @@
-//! local-inference-lab/vllm#716 acceptance (spec §11.1, DESIGN I6/I7),
-//! measured through `status()` counters with an L2 tier: an exact replay
-//! writes 0 payload bytes, a continuation writes only its new pages, and
-//! replaced or evicted generations leave no objects behind in L1 or L2.
+//! Write once, leak nothing (I6, I7), measured through `status()` counters
+//! with an L2 tier: an exact replay writes 0 payload bytes, a continuation
+//! writes only its new pages, pages only on disk are reused rather than
+//! rewritten, and replaced or evicted generations leave no objects behind in
+//! L1 or L2 (the leak of local-inference-lab/vllm#716).
 //!
-//! `cargo test -p lmcache-rc-core -- --nocapture service_716` prints the figures.
+//! `cargo test -p lmcache-rc-core -- --nocapture service_write_once` prints the figures.
 
 use std::collections::BTreeMap;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
+use lmcache_rc_core::service::ServiceConfig;
 use lmcache_rc_core::store::l2::object_file_bytes;
 
 use crate::service_common::*;
 
+both_ways!(
+    replay_writes_nothing_and_continuation_writes_only_new_pages,
+    generations_evicted_by_max_entries_leave_no_objects,
+    pages_only_on_disk_are_reused_not_rewritten,
+);
+
 /// (l2_bytes_written, l2_objects, l2_bytes) from status().
-fn l2_figures(svc: &CheckpointService) -> (u64, u64, u64) {
+fn l2_figures(svc: &impl AsTarget) -> (u64, u64, u64) {
+    let svc = svc.target();
     (
         stat(svc, "l2_bytes_written"),
         stat(svc, "l2_objects"),
@@ -24,7 +32,8 @@ fn l2_figures(svc: &CheckpointService) -> (u64, u64, u64) {
 
 /// Checks that both tiers hold exactly the objects the listed generations
 /// reference: the object table, L1, the L2 accounting and the files on disk.
-fn assert_tiers_hold_exactly(svc: &CheckpointService, l2: &std::path::Path, listed: &[&Manifest]) {
+fn assert_tiers_hold_exactly(svc: &impl AsTarget, l2: &std::path::Path, listed: &[&Manifest]) {
+    let svc = svc.target();
     for m in listed {
         assert!(is_listed(svc, m), "{} should be listed", m.generation());
     }
@@ -87,11 +96,10 @@ fn generation(n: u32, kind: &str) -> Manifest {
     build_manifest(NS, &tokens, 4, &g, 2, kind)
 }
 
-#[test]
-fn service_716_replay_writes_nothing_and_continuation_writes_only_new_pages() {
+fn replay_writes_nothing_and_continuation_writes_only_new_pages<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(durable_config("716-a", dir.path())).unwrap();
+    let svc = T::open(durable_config("716-a", dir.path())).unwrap();
 
     // First request: every page is new.
     let first = generation(100, "prompt");
@@ -102,7 +110,7 @@ fn service_716_replay_writes_nothing_and_continuation_writes_only_new_pages() {
     assert_eq!((f1, b1), (files, bytes));
     assert_eq!(w1, bytes, "one durable write per object");
     assert_eq!(copied, key_sizes(&first).values().sum::<u64>());
-    println!("service_716 first store:        {w1:>8} bytes written, {f1:>3} files");
+    println!("write_once: first store:        {w1:>8} bytes written, {f1:>3} files");
 
     // Exact replay: suppressed at begin, before any reservation or copy.
     let leased_before = stat(&svc, "store_bytes_leased");
@@ -119,7 +127,7 @@ fn service_716_replay_writes_nothing_and_continuation_writes_only_new_pages() {
         "no slot leased"
     );
     println!(
-        "service_716 exact replay:       {:>8} bytes written, {:>3} files",
+        "write_once: exact replay:       {:>8} bytes written, {:>3} files",
         w2 - w1,
         f2 - f1
     );
@@ -145,7 +153,7 @@ fn service_716_replay_writes_nothing_and_continuation_writes_only_new_pages() {
         "copies only the new pages"
     );
     println!(
-        "service_716 continuation:       {:>8} bytes written, {:>3} files ({} pages reused)",
+        "write_once: continuation:       {:>8} bytes written, {:>3} files ({} pages reused)",
         w3 - w2,
         f3 - f2,
         key_sizes(&cont).len() as u64 - new_files
@@ -164,7 +172,7 @@ fn service_716_replay_writes_nothing_and_continuation_writes_only_new_pages() {
     assert_eq!(w4 - w3, rep_bytes);
     assert_tiers_hold_exactly(&svc, &l2, &[&first, &replacement]);
     println!(
-        "service_716 after replacement:  {:>8} bytes written, {f4:>3} files on disk, {b4} bytes on disk",
+        "write_once: after replacement:  {:>8} bytes written, {f4:>3} files on disk, {b4} bytes on disk",
         w4 - w3
     );
     assert_idle(&svc);
@@ -172,26 +180,25 @@ fn service_716_replay_writes_nothing_and_continuation_writes_only_new_pages() {
     drop(svc);
 
     // An exact replay after a directory restart writes nothing either.
-    let svc = CheckpointService::open(durable_config("716-b", dir.path())).unwrap();
+    let svc = T::open(durable_config("716-b", dir.path())).unwrap();
     assert!(!svc.begin(&first).unwrap());
     assert!(!svc.begin(&replacement).unwrap());
     settle(&svc);
     assert_eq!(stat(&svc, "l2_bytes_written"), 0);
     assert_eq!(l2_files(&l2), (f4, b4));
-    println!("service_716 replay after restart: 0 bytes written, {f4} files on disk");
+    println!("write_once: replay after restart: 0 bytes written, {f4} files on disk");
     assert_idle(&svc);
     svc.close().unwrap();
 }
 
-#[test]
-fn service_716_generations_evicted_by_max_entries_leave_no_objects() {
+fn generations_evicted_by_max_entries_leave_no_objects<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let cfg = ServiceConfig {
         max_entries: 2,
         ..config("716-evict", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let gens: Vec<Manifest> = [40, 64, 90, 128]
         .iter()
         .map(|&n| generation(n, "prompt"))
@@ -210,7 +217,7 @@ fn service_716_generations_evicted_by_max_entries_leave_no_objects() {
     }
     let (files, bytes) = l2_files(&l2);
     println!(
-        "service_716 max_entries=2 after 4 generations: {files} files, {bytes} bytes on disk, \
+        "write_once: max_entries=2 after 4 generations: {files} files, {bytes} bytes on disk, \
          {} bytes written in all",
         written[3]
     );
@@ -221,11 +228,10 @@ fn service_716_generations_evicted_by_max_entries_leave_no_objects() {
     svc.close().unwrap();
 }
 
-#[test]
-fn service_716_pages_only_on_disk_are_reused_not_rewritten() {
+fn pages_only_on_disk_are_reused_not_rewritten<T: Target>() {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = CheckpointService::open(config("716-disk", Some(&l2))).unwrap();
+    let svc = T::open(config("716-disk", Some(&l2))).unwrap();
     let first = generation(100, "prompt");
     store_all(&svc, &first);
     settle(&svc);
@@ -245,7 +251,7 @@ fn service_716_pages_only_on_disk_are_reused_not_rewritten() {
     assert_eq!(stat(&svc, "l2_bytes_written") - written, new_bytes);
     assert_eq!(l2_files(&l2), expected_l2([&first, &cont]));
     println!(
-        "service_716 continuation over disk-only pages: {new_bytes} bytes written, {new_files} files"
+        "write_once: continuation over disk-only pages: {new_bytes} bytes written, {new_files} files"
     );
     restore_all(&svc, &cont);
     restore_all(&svc, &first);

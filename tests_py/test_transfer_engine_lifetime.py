@@ -1,5 +1,5 @@
-"""Transfer-engine binding rules found by review: dropping an engine with jobs
-in flight releases the GIL while it drains, and an unsafe worker keeps its
+"""Lifetime rules of the transfer engine's binding: dropping an engine with
+jobs in flight releases the GIL while it drains, and an unsafe worker keeps its
 (CUDA) page pool referenced until the process exits."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-//! local-inference-lab/vllm#725 acceptance (spec §11.2): overlapping stores
-//! that share content-addressed pages never lose a generation. A store that
+//! Overlapping stores that share content-addressed pages never lose a
+//! generation (the loss of local-inference-lab/vllm#725). A store that
 //! finds a shared page being written by another lease is told `busy`, keeps
 //! its generation pending, and after the writer commits reuses the page (no
 //! copy) or after it aborts writes the page itself.
@@ -10,9 +10,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus, ServiceConfig};
+use lmcache_rc_core::protocol::Checkpoints;
+use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
+
+both_ways!(
+    waiter_reuses_pages_the_first_writer_commits,
+    waiter_writes_pages_the_first_writer_aborts,
+    pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter,
+    concurrent_overlapping_stores_never_lose_a_generation,
+);
 
 /// The pages of one boundary checkpoint of a conversation: attention pages
 /// (shared by every later boundary), one recurrent page and one auxiliary page.
@@ -43,7 +51,8 @@ fn boundary(ns: &str, conversation: &[u32], n: usize, kind: &str) -> Manifest {
 
 /// Prepares every rank while another generation holds the shared pages:
 /// each answers busy, and nothing is leased or pinned for it.
-fn assert_all_ranks_busy(svc: &CheckpointService, m: &Manifest) {
+fn assert_all_ranks_busy(svc: &impl AsTarget, m: &Manifest) {
+    let svc = svc.target();
     let (leases, pins) = (stat(svc, "store_leases"), stat(svc, "pins"));
     for rank in 0..4 {
         let lease = svc.prepare_store(m, rank).unwrap();
@@ -53,9 +62,8 @@ fn assert_all_ranks_busy(svc: &CheckpointService, m: &Manifest) {
     assert_eq!(stat(svc, "pins"), pins);
 }
 
-#[test]
-fn service_725_waiter_reuses_pages_the_first_writer_commits() {
-    let svc = CheckpointService::open(config("725-commit", None)).unwrap();
+fn waiter_reuses_pages_the_first_writer_commits<T: Target>() {
+    let svc = T::open(config("725-commit", None)).unwrap();
     let conv = seq(11_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
     let prompt = boundary(NS, &conv, 150, "prompt");
@@ -66,7 +74,7 @@ fn service_725_waiter_reuses_pages_the_first_writer_commits() {
     for (rank, lease) in first.iter().enumerate() {
         fill(&svc, &instruction, rank as u32, lease);
         let published = svc
-            .finish_store(lease.lease_id.as_deref().unwrap(), true)
+            .finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
         assert_eq!(published, rank == 3);
     }
@@ -80,7 +88,7 @@ fn service_725_waiter_reuses_pages_the_first_writer_commits() {
         );
         assert!(lease.slots[0][4..].iter().all(Option::is_some));
         fill(&svc, &prompt, rank, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     assert!(is_listed(&svc, &instruction) && is_listed(&svc, &prompt));
@@ -90,9 +98,8 @@ fn service_725_waiter_reuses_pages_the_first_writer_commits() {
     svc.close().unwrap();
 }
 
-#[test]
-fn service_725_waiter_writes_pages_the_first_writer_aborts() {
-    let svc = CheckpointService::open(config("725-abort", None)).unwrap();
+fn waiter_writes_pages_the_first_writer_aborts<T: Target>() {
+    let svc = T::open(config("725-abort", None)).unwrap();
     let conv = seq(12_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
     let prompt = boundary(NS, &conv, 150, "prompt");
@@ -106,7 +113,7 @@ fn service_725_waiter_writes_pages_the_first_writer_aborts() {
         fill(&svc, &instruction, rank as u32, lease);
         let ok = rank != 2;
         assert!(
-            !svc.finish_store(lease.lease_id.as_deref().unwrap(), ok)
+            !svc.finish_store(lease.lease_id.as_deref().unwrap(), ok, None)
                 .unwrap()
         );
     }
@@ -124,7 +131,7 @@ fn service_725_waiter_writes_pages_the_first_writer_aborts() {
             "rank {rank}: every page is written again"
         );
         fill(&svc, &prompt, rank, &lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     assert!(is_listed(&svc, &prompt));
@@ -133,9 +140,8 @@ fn service_725_waiter_writes_pages_the_first_writer_aborts() {
     svc.close().unwrap();
 }
 
-#[test]
-fn service_725_pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter() {
-    let svc = CheckpointService::open(config("725-mixed", None)).unwrap();
+fn pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter<T: Target>() {
+    let svc = T::open(config("725-mixed", None)).unwrap();
     let conv = seq(13_000, 200);
     let instruction = boundary(NS, &conv, 64, "instruction");
     let prompt = boundary(NS, &conv, 150, "prompt");
@@ -144,7 +150,7 @@ fn service_725_pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter
     let first: Vec<_> = (0..4).map(|r| prepare(&svc, &instruction, r)).collect();
     for (rank, lease) in first.iter().enumerate().take(2) {
         fill(&svc, &instruction, rank as u32, lease);
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     // Ranks 0 and 1 reuse the committed pages; ranks 2 and 3 are busy.
@@ -165,12 +171,12 @@ fn service_725_pages_reused_from_a_writer_that_later_aborts_stay_with_the_waiter
     // waiter pinned them and still publishes them.
     for lease in &first[2..] {
         assert!(
-            !svc.finish_store(lease.lease_id.as_deref().unwrap(), false)
+            !svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
                 .unwrap()
         );
     }
     for lease in &second {
-        svc.finish_store(lease.lease_id.as_deref().unwrap(), true)
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
             .unwrap();
     }
     for rank in 2..4 {
@@ -220,11 +226,12 @@ struct Attempt {
 /// random copy times; `fail_rank` finishes as failed. Like the scheduler,
 /// aborts the generation when any rank did not succeed.
 fn store_concurrently(
-    svc: &CheckpointService,
+    svc: &impl AsTarget,
     m: &Manifest,
     seed: u64,
     fail_rank: Option<u32>,
 ) -> Attempt {
+    let svc = svc.target();
     if !svc.begin(m).unwrap() {
         return Attempt {
             suppressed: true,
@@ -256,7 +263,7 @@ fn store_concurrently(
                     std::thread::sleep(Duration::from_micros(rng.below(3000)));
                     let ok = fail_rank != Some(rank);
                     let published = svc
-                        .finish_store(lease.lease_id.as_deref().unwrap(), ok)
+                        .finish_store(lease.lease_id.as_deref().unwrap(), ok, None)
                         .unwrap();
                     (rank, Ok(published))
                 })
@@ -279,9 +286,8 @@ fn store_concurrently(
     }
 }
 
-#[test]
-fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
-    let seed = std::env::var("LMRC_725_SEED")
+fn concurrent_overlapping_stores_never_lose_a_generation<T: Target>() {
+    let seed = std::env::var("LMRC_OVERLAP_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
@@ -291,7 +297,7 @@ fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
                 .as_nanos() as u64
                 | 1
         });
-    println!("service_725 stress seed {seed} (set LMRC_725_SEED to replay)");
+    println!("overlapping stores: stress seed {seed} (set LMRC_OVERLAP_SEED to replay)");
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let cfg = ServiceConfig {
@@ -300,7 +306,7 @@ fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
         store_admission_timeout: HANG_GUARD,
         ..config("725-stress", Some(&l2))
     };
-    let svc = CheckpointService::open(cfg).unwrap();
+    let svc = T::open(cfg).unwrap();
     let mut rng = Rng(seed | 1);
 
     // Two conversations; each turn emits instruction, prompt and response
@@ -417,7 +423,7 @@ fn service_725_concurrent_overlapping_stores_never_lose_a_generation() {
         .filter(|a| a.suppressed)
         .count();
     println!(
-        "service_725: {} generations published, {failed} failed closed after an injected \
+        "overlapping stores: {} generations published, {failed} failed closed after an injected \
          rank failure, {suppressed} replays suppressed, {} busy answers, {} concurrent restores",
         published.len(),
         stat(&svc, "admission_busy"),

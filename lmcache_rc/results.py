@@ -1,0 +1,154 @@
+"""Shapes of the dict results of the native API, as ``TypedDict``\\ s.
+
+The extension (``lmcache_rc._native``) returns plain dicts; these classes name
+their keys and value types so that callers are type-checked (``_native.pyi``
+uses them). They exist at run time too, so annotations may name them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from lmcache_rc._native import Manifest
+
+__all__ = [
+    "Capabilities",
+    "ClearReport",
+    "DirectoryStatus",
+    "GenerationInfo",
+    "ListedGeneration",
+    "PageGroup",
+    "RpcStatus",
+    "ServiceStatus",
+    "StopReport",
+]
+
+
+class Capabilities(TypedDict):
+    """What a client needs to map the sidecar's pool (``capabilities()``)."""
+
+    format_version: int
+    protocol_version: int
+    shm_name: str
+    pool_size: int
+    durable_index: bool
+
+
+class ServiceStatus(TypedDict):
+    """Counters and gauges of the checkpoint service (``status()``).
+
+    Every value is an integer, ``misses`` maps a miss reason to its count.
+    A newer server may add keys; these are the ones this build reports.
+    """
+
+    generations: int
+    pending: int
+    store_leases: int
+    retrieve_leases: int
+    pins: int
+    l1_objects: int
+    l1_bytes: int
+    l1_capacity: int
+    objects: int
+    l2_objects: int
+    l2_bytes: int
+    l2_bytes_written: int
+    l2_queue: int
+    find_hits: int
+    find_misses: int
+    begin_draining: int
+    begin_suppressed: int
+    abandoned_generations: int
+    store_pages_reused: int
+    store_pages_new: int
+    store_bytes_leased: int
+    store_bytes_committed: int
+    admission_waits: int
+    admission_retries: int
+    admission_success_after_eviction: int
+    admission_timeouts: int
+    admission_busy: int
+    published: int
+    hits: int
+    evictions: int
+    l1_evictions: int
+    l2_evictions: int
+    l2_loads: int
+    retrieve_capacity_waits: int
+    retrieves_cancelled: int
+    l2_corrupt_or_missing: int
+    l2_write_errors: int
+    l2_skipped_full: int
+    reclaimed_objects: int
+    restart_retired: int
+    clears: int
+    misses: dict[str, int]
+
+
+class RpcStatus(ServiceStatus):
+    """:class:`ServiceStatus` plus the RPC layer's counters (a sidecar's status)."""
+
+    rpc_connections: int
+    rpc_connections_total: int
+    rpc_requests: int
+    rpc_protocol_errors: int
+
+
+class ClearReport(TypedDict):
+    """What a ``clear()`` removed."""
+
+    l1_objects: int
+    l1_bytes: int
+    l2_objects: int
+    retired_generations: int
+    kept_objects: int
+
+
+class GenerationInfo(TypedDict):
+    """One published generation as ``list_generations()`` reports it."""
+
+    generation: str
+    num_tokens: int
+    world_size: int
+    payload_bytes: int
+    durable: bool
+    access_order: int
+
+
+class StopReport(TypedDict):
+    """What ``Server.stop()`` did."""
+
+    drained: bool
+    live_leases: int
+    close_error: str | None
+
+
+class PageGroup(TypedDict):
+    """One page group of a manifest payload (``Manifest.page_groups()``)."""
+
+    name: str
+    page_bytes: int
+    positions: list[int]
+    content_keys: list[str]
+
+
+class DirectoryStatus(TypedDict):
+    """Counts of a :class:`lmcache_rc.Directory` (``Directory.status()``)."""
+
+    published_generations: int
+    pending_generations: int
+    published_bytes: int
+    durable_generations: int
+    dirty_recency: int
+    evictions: int
+    invalid_rows: int
+
+
+class ListedGeneration(TypedDict):
+    """One row of ``Directory.list()``."""
+
+    manifest: Manifest
+    durable: bool
+    payload_bytes: int
+    access_order: int

@@ -1,0 +1,532 @@
+//! The sidecar's settings, declared once.
+//!
+//! [`SidecarConfig`] is every setting of `lmcache-rc serve` — the service's,
+//! the RPC server's and the HTTP admin's — as one flat list. The list below
+//! (`sidecar_config!`) is the only place a setting is declared: it gives the
+//! struct, the defaults, [`SidecarConfig::FIELDS`] (name, kind, whether it
+//! may be absent, its documentation) and by-name access. The Python class
+//! `lmcache_rc.ServerConfig` wraps this struct, and the CLI's flags and help
+//! are generated from `FIELDS`, so a new setting is one entry here.
+//!
+//! Values are strict: a value of the wrong kind is `InvalidType`, an unknown
+//! name is `InvalidType`, a value out of range is `InvalidInput`.
+
+use std::path::{Path as FsPath, PathBuf};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::rpc;
+use crate::service::ServiceConfig;
+use crate::store::shm::{default_l1_bytes, shm_name_for};
+
+/// What kind of value a setting holds (also how the CLI parses it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldKind {
+    /// A filesystem path.
+    Path,
+    /// A string.
+    Text,
+    /// A byte count (the CLI also accepts K, M, G, T suffixes).
+    Bytes,
+    /// A non-negative integer.
+    Count,
+    /// A signed integer.
+    Signed,
+    /// A non-negative duration in seconds (fractions allowed).
+    Seconds,
+}
+
+impl FieldKind {
+    /// The kind's name (`"path"`, `"bytes"`...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FieldKind::Path => "path",
+            FieldKind::Text => "text",
+            FieldKind::Bytes => "bytes",
+            FieldKind::Count => "count",
+            FieldKind::Signed => "signed",
+            FieldKind::Seconds => "seconds",
+        }
+    }
+
+    /// Parses a value of this kind from text (a flag or an environment
+    /// variable). `""` and `"none"` (any case) are absent for an optional
+    /// setting.
+    pub fn parse(self, text: &str, optional: bool) -> Result<Option<FieldValue>> {
+        let t = text.trim();
+        if optional && (t.is_empty() || t.eq_ignore_ascii_case("none")) {
+            return Ok(None);
+        }
+        let bad = |what: &str| Error::invalid(format!("expected {what}, got {text:?}"));
+        let value = match self {
+            FieldKind::Path => FieldValue::Path(PathBuf::from(text)),
+            FieldKind::Text => FieldValue::Text(text.to_string()),
+            FieldKind::Bytes => FieldValue::Unsigned(parse_size(t).ok_or_else(|| {
+                bad("a byte count (an integer, optionally with a K, M, G or T suffix)")
+            })?),
+            FieldKind::Count => {
+                FieldValue::Unsigned(t.parse().map_err(|_| bad("a non-negative integer"))?)
+            }
+            FieldKind::Signed => FieldValue::Signed(t.parse().map_err(|_| bad("an integer"))?),
+            FieldKind::Seconds => {
+                let s: f64 = t.parse().map_err(|_| bad("a number of seconds"))?;
+                FieldValue::Seconds(seconds(s)?)
+            }
+        };
+        Ok(Some(value))
+    }
+}
+
+/// A byte count with an optional binary suffix (`512`, `4K`, `1.5G`, `2GiB`).
+fn parse_size(text: &str) -> Option<u64> {
+    let t = text.to_ascii_lowercase();
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
+    let (number, unit) = match t.char_indices().last() {
+        Some((i, 'k')) => (&t[..i], 1u64 << 10),
+        Some((i, 'm')) => (&t[..i], 1 << 20),
+        Some((i, 'g')) => (&t[..i], 1 << 30),
+        Some((i, 't')) => (&t[..i], 1 << 40),
+        _ => (t, 1),
+    };
+    if unit == 1 {
+        return number.parse().ok();
+    }
+    let value: f64 = number.parse().ok()?;
+    let bytes = value * unit as f64;
+    (value.is_finite() && value >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+}
+
+/// A duration from seconds: finite and not negative.
+pub fn seconds(value: f64) -> Result<Duration> {
+    if !(0.0..1e12).contains(&value) {
+        return Err(Error::invalid(format!(
+            "expected a non-negative number of seconds, got {value}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+/// One setting's value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FieldValue {
+    /// [`FieldKind::Path`].
+    Path(PathBuf),
+    /// [`FieldKind::Text`].
+    Text(String),
+    /// [`FieldKind::Bytes`] and [`FieldKind::Count`].
+    Unsigned(u64),
+    /// [`FieldKind::Signed`].
+    Signed(i64),
+    /// [`FieldKind::Seconds`].
+    Seconds(Duration),
+}
+
+/// One setting as [`SidecarConfig::FIELDS`] describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FieldSpec {
+    /// The name (`l1_bytes`); the flag is `--l1-bytes`, the environment
+    /// variable `LMCACHE_RC_L1_BYTES`.
+    pub name: &'static str,
+    /// Its kind.
+    pub kind: FieldKind,
+    /// Whether it may be absent (None).
+    pub optional: bool,
+    /// What it sets, and its default.
+    pub doc: &'static str,
+}
+
+/// A Rust type that holds one setting.
+trait Setting: Sized {
+    fn to_value(&self) -> Option<FieldValue>;
+    fn from_value(value: Option<FieldValue>) -> Option<Self>;
+}
+
+macro_rules! setting {
+    ($ty:ty, $variant:ident) => {
+        impl Setting for $ty {
+            fn to_value(&self) -> Option<FieldValue> {
+                Some(FieldValue::$variant(self.clone()))
+            }
+            fn from_value(value: Option<FieldValue>) -> Option<Self> {
+                match value {
+                    Some(FieldValue::$variant(v)) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+setting!(PathBuf, Path);
+setting!(String, Text);
+setting!(u64, Unsigned);
+setting!(i64, Signed);
+setting!(Duration, Seconds);
+
+impl<T: Setting> Setting for Option<T> {
+    fn to_value(&self) -> Option<FieldValue> {
+        self.as_ref().and_then(T::to_value)
+    }
+    fn from_value(value: Option<FieldValue>) -> Option<Self> {
+        match value {
+            None => Some(None),
+            some => T::from_value(some).map(Some),
+        }
+    }
+}
+
+/// The Rust type of a setting of a kind (`optional`: may be absent).
+macro_rules! setting_type {
+    ($kind:ident optional) => { Option<setting_type!($kind)> };
+    (Path) => { PathBuf };
+    (Text) => { String };
+    (Bytes) => { u64 };
+    (Count) => { u64 };
+    (Signed) => { i64 };
+    (Seconds) => { Duration };
+}
+
+macro_rules! is_optional {
+    () => {
+        false
+    };
+    (optional) => {
+        true
+    };
+}
+
+/// Declares [`SidecarConfig`] from its list of settings.
+macro_rules! sidecar_config {
+    ($(
+        $(#[doc = $doc:literal])+
+        $name:ident : $kind:ident $($optional:ident)? = $default:expr;
+    )*) => {
+        /// Every setting of a sidecar (see the [module docs](self)).
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct SidecarConfig {
+            $(
+                $(#[doc = $doc])+
+                pub $name: setting_type!($kind $($optional)?),
+            )*
+        }
+
+        impl SidecarConfig {
+            /// Every setting, in declaration order.
+            pub const FIELDS: &'static [FieldSpec] = &[$(
+                FieldSpec {
+                    name: stringify!($name),
+                    kind: FieldKind::$kind,
+                    optional: is_optional!($($optional)?),
+                    doc: concat!($($doc, "\n"),+),
+                },
+            )*];
+
+            /// The defaults, before the pool name is derived.
+            fn unresolved() -> SidecarConfig {
+                SidecarConfig {
+                    $($name: $default,)*
+                }
+            }
+
+            /// The value of the setting `name` (None: absent); an unknown
+            /// name is `InvalidType`.
+            pub fn get(&self, name: &str) -> Result<Option<FieldValue>> {
+                match name {
+                    $(stringify!($name) => Ok(Setting::to_value(&self.$name)),)*
+                    other => Err(unknown_field(other)),
+                }
+            }
+
+            /// Sets `name` to `value`; a value of another kind (or None
+            /// for a setting that must be present) is `InvalidType`.
+            pub fn set(&mut self, name: &str, value: Option<FieldValue>) -> Result<()> {
+                match name {
+                    $(stringify!($name) => {
+                        self.$name = Setting::from_value(value).ok_or_else(|| {
+                            wrong_kind(stringify!($name), FieldKind::$kind, is_optional!($($optional)?))
+                        })?;
+                        Ok(())
+                    })*
+                    other => Err(unknown_field(other)),
+                }
+            }
+        }
+    };
+}
+
+fn unknown_field(name: &str) -> Error {
+    let known: Vec<&str> = SidecarConfig::FIELDS.iter().map(|f| f.name).collect();
+    Error::InvalidType(format!(
+        "unknown setting {name:?}; the settings are {}",
+        known.join(", ")
+    ))
+}
+
+fn wrong_kind(name: &str, kind: FieldKind, optional: bool) -> Error {
+    Error::InvalidType(format!(
+        "{name} must be a {}{} value",
+        kind.as_str(),
+        if optional { " or None" } else { "" }
+    ))
+}
+
+sidecar_config! {
+    /// Unix socket the sidecar listens on (created with mode 0600); default:
+    /// `$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock`, else `/tmp/lmcache-rc-<uid>/`.
+    socket: Path = rpc::default_socket_path();
+    /// POSIX shared-memory pool name; default: derived from the socket path,
+    /// so two servers on one host never collide.
+    shm_name: Text optional = None;
+    /// Size of the shared-memory (L1) pool in bytes, a multiple of 4096;
+    /// default: a quarter of the free space of /dev/shm, at most 1 GiB.
+    l1_bytes: Bytes = default_l1_bytes();
+    /// SQLite file of the durable directory; default: none (the directory
+    /// lives in memory and is lost at exit).
+    checkpoint_index_path: Path optional = None;
+    /// Directory of the filesystem (L2) tier; default: none (no L2).
+    l2_path: Path optional = None;
+    /// Capacity of the L2 tier in bytes; default: unlimited.
+    l2_bytes: Bytes optional = None;
+    /// Address of the HTTP admin API; default: loopback (127.0.0.1).
+    http_host: Text = "127.0.0.1".to_string();
+    /// Port of the HTTP admin API: 0 picks a free port (the default), -1
+    /// turns the API off.
+    http_port: Signed = 0;
+    /// Most published generations listed (least recently used beyond).
+    max_entries: Count = ServiceConfig::default().max_entries;
+    /// Most generations pending publication at once.
+    max_pending: Count = ServiceConfig::default().max_pending;
+    /// Most live worker leases (store + retrieve).
+    max_leases: Count = ServiceConfig::default().max_leases as u64;
+    /// How long a store waits for L1 space before missing.
+    store_admission_timeout: Seconds = ServiceConfig::default().store_admission_timeout;
+    /// How long a retrieve may stay pending before missing.
+    retrieve_timeout: Seconds = ServiceConfig::default().retrieve_timeout;
+    /// Pending generations without progress for this long are aborted;
+    /// None: never.
+    abandoned_after: Seconds optional = ServiceConfig::default().abandoned_after;
+    /// Threads writing and reading L2 files.
+    l2_io_threads: Count = ServiceConfig::default().l2_io_threads as u64;
+    /// How long a stopping server lets live leases finish.
+    drain_timeout: Seconds = rpc::ServerConfig::new("").drain_timeout;
+    /// Most RPC connections served at once (more are refused).
+    max_connections: Count = rpc::ServerConfig::new("").max_connections as u64;
+}
+
+/// The prefix of the environment variables that set a sidecar's settings.
+pub const ENV_PREFIX: &str = "LMCACHE_RC_";
+
+impl Default for SidecarConfig {
+    fn default() -> Self {
+        let mut config = SidecarConfig::unresolved();
+        config.resolve();
+        config
+    }
+}
+
+impl SidecarConfig {
+    /// The defaults with `values` set by name (None = absent), the pool
+    /// name derived from the socket unless given, validated.
+    pub fn from_values(
+        values: impl IntoIterator<Item = (String, Option<FieldValue>)>,
+    ) -> Result<SidecarConfig> {
+        let mut config = SidecarConfig::unresolved();
+        for (name, value) in values {
+            config.set(&name, value)?;
+        }
+        config.resolve();
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The defaults, then every `LMCACHE_RC_<NAME>` environment variable,
+    /// then `overrides`; resolved and validated like [`Self::from_values`].
+    pub fn from_env(
+        overrides: impl IntoIterator<Item = (String, Option<FieldValue>)>,
+    ) -> Result<SidecarConfig> {
+        let mut values = Vec::new();
+        for field in Self::FIELDS {
+            let var = format!("{ENV_PREFIX}{}", field.name.to_ascii_uppercase());
+            if let Some(raw) = std::env::var_os(&var) {
+                let raw = raw
+                    .into_string()
+                    .map_err(|_| Error::invalid(format!("{var} is not valid UTF-8")))?;
+                let value = field
+                    .kind
+                    .parse(&raw, field.optional)
+                    .map_err(|e| Error::invalid(format!("{var}: {e}")))?;
+                values.push((field.name.to_string(), value));
+            }
+        }
+        values.extend(overrides);
+        Self::from_values(values)
+    }
+
+    /// Derives the pool name from the socket when none is set.
+    fn resolve(&mut self) {
+        if self.shm_name.is_none() {
+            self.shm_name = Some(shm_name_for(&self.socket));
+        }
+    }
+
+    /// Refuses settings no server could start with.
+    fn validate(&self) -> Result<()> {
+        if self.l1_bytes == 0 || self.l1_bytes % 4096 != 0 {
+            return Err(Error::invalid(format!(
+                "l1_bytes must be a positive multiple of 4096, got {}",
+                self.l1_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The pool name (derived from the socket when none was set).
+    pub fn shm_name(&self) -> String {
+        self.shm_name
+            .clone()
+            .unwrap_or_else(|| shm_name_for(&self.socket))
+    }
+
+    /// The service's part of the settings.
+    pub fn service_config(&self) -> Result<ServiceConfig> {
+        Ok(ServiceConfig {
+            shm_name: self.shm_name(),
+            l1_bytes: self.l1_bytes,
+            l2_path: self.l2_path.clone(),
+            l2_bytes: self.l2_bytes,
+            checkpoint_index_path: self.checkpoint_index_path.clone(),
+            max_entries: self.max_entries,
+            max_pending: self.max_pending,
+            max_leases: usize_of("max_leases", self.max_leases)?,
+            store_admission_timeout: self.store_admission_timeout,
+            retrieve_timeout: self.retrieve_timeout,
+            abandoned_after: self.abandoned_after,
+            l2_io_threads: usize_of("l2_io_threads", self.l2_io_threads)?,
+        })
+    }
+
+    /// The settings of a server embedded in this process, and of its RPC
+    /// layer. `temp_socket` chooses where it listens: None = in a fresh
+    /// private temporary directory when the socket is the default one, else
+    /// on the configured socket; false = always on the configured socket;
+    /// true = always in a fresh temporary directory. In a temporary
+    /// directory a pool name derived from the configured socket is derived
+    /// from the new socket instead, so embedded servers never collide with a
+    /// sidecar or with each other.
+    pub fn server_configs(
+        &self,
+        temp_socket: Option<bool>,
+    ) -> Result<(ServiceConfig, rpc::ServerConfig)> {
+        let mut service = self.service_config()?;
+        let temp = temp_socket.unwrap_or_else(|| self.socket == rpc::default_socket_path());
+        let mut server = if temp {
+            let path = rpc::temp_socket_path()?;
+            if service.shm_name == shm_name_for(&self.socket) {
+                service.shm_name = shm_name_for(&path);
+            }
+            let mut c = rpc::ServerConfig::new(path);
+            c.remove_dir_on_stop = true;
+            c
+        } else {
+            rpc::ServerConfig::new(self.socket.clone())
+        };
+        server.drain_timeout = self.drain_timeout;
+        server.max_connections = usize_of("max_connections", self.max_connections)?;
+        Ok((service, server))
+    }
+
+    /// Where the HTTP admin API listens (None: turned off).
+    pub fn http_bind(&self) -> Result<Option<(String, u16)>> {
+        if self.http_port < 0 {
+            return Ok(None);
+        }
+        let port = u16::try_from(self.http_port).map_err(|_| {
+            Error::invalid(format!(
+                "http_port must be in 0..65535 (or -1: off), got {}",
+                self.http_port
+            ))
+        })?;
+        Ok(Some((self.http_host.clone(), port)))
+    }
+
+    /// The socket path (for messages).
+    pub fn socket(&self) -> &FsPath {
+        &self.socket
+    }
+}
+
+fn usize_of(name: &str, value: u64) -> Result<usize> {
+    usize::try_from(value).map_err(|_| Error::invalid(format!("{name} is too large: {value}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_setting_is_listed_once_and_readable_by_name() {
+        let config = SidecarConfig::default();
+        let mut names = std::collections::HashSet::new();
+        for field in SidecarConfig::FIELDS {
+            assert!(names.insert(field.name), "{} twice", field.name);
+            assert!(!field.doc.trim().is_empty(), "{} has no doc", field.name);
+            let value = config.get(field.name).unwrap();
+            assert!(value.is_some() || field.optional, "{}", field.name);
+        }
+        assert!(config.get("no_such").is_err());
+    }
+
+    #[test]
+    fn values_are_strict_about_kind_and_range() {
+        let set =
+            |name: &str, v: Option<FieldValue>| SidecarConfig::from_values([(name.to_string(), v)]);
+        let e = set("l1_bytes", Some(FieldValue::Text("1".into()))).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidType);
+        let e = set("l1_bytes", None).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidType);
+        let e = set("bogus", None).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidType);
+        let e = set("l1_bytes", Some(FieldValue::Unsigned(1000))).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidInput);
+        let c = set("abandoned_after", None).unwrap();
+        assert_eq!(c.abandoned_after, None);
+        let c = set("socket", Some(FieldValue::Path("/tmp/x.sock".into()))).unwrap();
+        assert_eq!(c.shm_name(), shm_name_for(FsPath::new("/tmp/x.sock")));
+    }
+
+    #[test]
+    fn text_parses_by_kind() {
+        let p = |k: FieldKind, t: &str, o: bool| k.parse(t, o);
+        assert_eq!(
+            p(FieldKind::Bytes, "4G", false).unwrap(),
+            Some(FieldValue::Unsigned(4 << 30))
+        );
+        assert_eq!(
+            p(FieldKind::Bytes, "1.5KiB", false).unwrap(),
+            Some(FieldValue::Unsigned(1536))
+        );
+        assert_eq!(
+            p(FieldKind::Bytes, "8388608", false).unwrap(),
+            Some(FieldValue::Unsigned(8 << 20))
+        );
+        assert_eq!(p(FieldKind::Seconds, "none", true).unwrap(), None);
+        assert_eq!(
+            p(FieldKind::Seconds, "1.5", true).unwrap(),
+            Some(FieldValue::Seconds(Duration::from_millis(1500)))
+        );
+        assert!(p(FieldKind::Count, "-1", false).is_err());
+        assert!(p(FieldKind::Seconds, "nan", false).is_err());
+        assert_eq!(
+            p(FieldKind::Signed, "-1", false).unwrap(),
+            Some(FieldValue::Signed(-1))
+        );
+        assert_eq!(
+            p(FieldKind::Path, "", true).unwrap(),
+            None,
+            "an empty optional path is absent"
+        );
+    }
+}

@@ -1,0 +1,213 @@
+//! The values the operations of [`super::Checkpoints`] take and answer.
+
+use std::collections::BTreeMap;
+
+/// What a lease call answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseStatus {
+    /// Slots are exposed: copy, then finish the lease.
+    Ready,
+    /// Another lease is writing a page this store needs: retry shortly.
+    Busy,
+    /// Nothing was leased (see the reason); nothing to finish.
+    Miss,
+    /// A retrieve is loading pages: poll again.
+    Pending,
+}
+
+impl LeaseStatus {
+    /// The wire / Python name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeaseStatus::Ready => "ready",
+            LeaseStatus::Busy => "busy",
+            LeaseStatus::Miss => "miss",
+            LeaseStatus::Pending => "pending",
+        }
+    }
+}
+
+named_enum! {
+    /// Why a lease call answered `miss` (or `busy`): a closed set of
+    /// stable names, counted per reason in status and metrics.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum MissReason {
+        /// The generation is not pending (never begun, aborted or published).
+        NotPending = "not_pending",
+        /// The server is shutting down and admits no new work.
+        Shutdown = "shutdown",
+        /// Too many live leases (`max_leases`).
+        LeaseBudget = "lease_budget",
+        /// The staging this call belongs to was aborted (and maybe begun again).
+        Conflict = "conflict",
+        /// L1 space did not free up within the admission timeout.
+        Capacity = "capacity",
+        /// The generation was aborted while this rank copied.
+        AbortedDuringStore = "aborted_during_store",
+        /// The directory failed to record an acknowledgement.
+        DirectoryError = "directory_error",
+        /// The generation is not listed (never published, replaced or retired).
+        NotListed = "not_listed",
+        /// A page has no copy left (proof of loss: the generation is retired).
+        LostObject = "lost_object",
+        /// Reading a page from L2 failed (not proof of loss).
+        L2ReadError = "l2_read_error",
+        /// A retrieve stayed pending longer than `retrieve_timeout`.
+        RetrieveTimeout = "retrieve_timeout",
+        /// Another lease is writing a page this store needs (status `busy`).
+        Busy = "busy",
+        /// A reason this build does not know (sent by a newer server).
+        Other = "other",
+    }
+}
+
+impl MissReason {
+    /// The reason named `name`; a name this build does not know (a newer
+    /// server's) is [`MissReason::Other`].
+    pub fn from_name(name: &str) -> MissReason {
+        MissReason::ALL
+            .iter()
+            .copied()
+            .find(|r| r.as_str() == name)
+            .unwrap_or(MissReason::Other)
+    }
+}
+
+impl std::fmt::Display for MissReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A slot: `(offset, length)` in the SHM pool, or `None` for a store page that
+/// is already resident (do not copy).
+pub type Slot = Option<(u64, u64)>;
+
+/// The answer of prepare_store / begin_retrieve / poll_retrieve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// See [`LeaseStatus`].
+    pub status: LeaseStatus,
+    /// The lease to finish (present for ready/pending).
+    pub lease_id: Option<String>,
+    /// Per page group, per page (only when ready).
+    pub slots: Vec<Vec<Slot>>,
+    /// Why a miss (or busy) happened.
+    pub reason: Option<MissReason>,
+}
+
+impl Lease {
+    /// A miss for `reason`: nothing leased, nothing to finish.
+    pub fn miss(reason: MissReason) -> Lease {
+        Lease {
+            status: LeaseStatus::Miss,
+            lease_id: None,
+            slots: Vec::new(),
+            reason: Some(reason),
+        }
+    }
+
+    /// A busy answer: retry the store shortly.
+    pub fn busy() -> Lease {
+        Lease {
+            status: LeaseStatus::Busy,
+            lease_id: None,
+            slots: Vec::new(),
+            reason: Some(MissReason::Busy),
+        }
+    }
+
+    /// A lease whose slots are not ready yet (a retrieve loading pages).
+    pub fn pending(lease_id: String) -> Lease {
+        Lease {
+            status: LeaseStatus::Pending,
+            lease_id: Some(lease_id),
+            slots: Vec::new(),
+            reason: None,
+        }
+    }
+
+    /// A lease exposing `slots`: copy, then finish it.
+    pub fn ready(lease_id: String, slots: Vec<Vec<Slot>>) -> Lease {
+        Lease {
+            status: LeaseStatus::Ready,
+            lease_id: Some(lease_id),
+            slots,
+            reason: None,
+        }
+    }
+}
+
+/// What the service tells a client at connection time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Slot/layout format version ([`super::FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// RPC protocol version ([`super::PROTOCOL_VERSION`]).
+    pub protocol_version: u32,
+    /// The SHM pool's name (without a leading '/').
+    pub shm_name: String,
+    /// The SHM pool's size in bytes.
+    pub pool_size: u64,
+    /// Whether the directory survives restarts.
+    pub durable_index: bool,
+}
+
+/// Counters and gauges of the service; every value is an integer or a map of
+/// integers. Keys are names, not enums, because a status crosses the wire and
+/// a newer server may report values this build does not know.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceStatus {
+    /// Integer gauges and counters by name.
+    pub values: BTreeMap<String, u64>,
+    /// Misses by reason name ([`MissReason::as_str`]).
+    pub misses: BTreeMap<String, u64>,
+}
+
+/// What a clear removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClearReport {
+    /// L1 objects dropped.
+    pub l1_objects: u64,
+    /// L1 bytes freed.
+    pub l1_bytes: u64,
+    /// L2 objects deleted.
+    pub l2_objects: u64,
+    /// Generations retired because their only copy was dropped.
+    pub retired_generations: u64,
+    /// Objects kept because a lease or pin held them.
+    pub kept_objects: u64,
+}
+
+/// One published generation as an operator sees it (`lmcache-rc inspect`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenerationInfo {
+    /// The generation id.
+    pub generation: String,
+    /// Tokens the checkpoint covers.
+    pub num_tokens: u64,
+    /// Ranks that stored it.
+    pub world_size: u32,
+    /// Payload bytes of all ranks.
+    pub payload_bytes: u64,
+    /// Whether every object is durable in L2.
+    pub durable: bool,
+    /// Recency stamp (larger = more recently published or found).
+    pub access_order: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_miss_reason_round_trips_by_name() {
+        for &reason in MissReason::ALL {
+            assert_eq!(MissReason::from_name(reason.as_str()), reason);
+        }
+        assert_eq!(
+            MissReason::from_name("from_a_newer_server"),
+            MissReason::Other
+        );
+    }
+}

@@ -1,0 +1,137 @@
+//! The service's event counters and miss counts: closed sets, counted in
+//! arrays under the state lock and named only when a status is built.
+
+use crate::protocol::MissReason;
+
+named_enum! {
+    /// An event the service counts; each is a status value of its name.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum Counter {
+        /// `find` answered a manifest.
+        FindHits = "find_hits",
+        /// `find` answered nothing.
+        FindMisses = "find_misses",
+        /// `begin` refused a generation an aborted attempt of which still drains.
+        BeginDraining = "begin_draining",
+        /// `begin` refused a duplicate (identical generation pending or listed) or found no capacity.
+        BeginSuppressed = "begin_suppressed",
+        /// Pending generations aborted because nothing happened for `abandoned_after`.
+        AbandonedGenerations = "abandoned_generations",
+        /// Store pages reused without a copy (already resident).
+        StorePagesReused = "store_pages_reused",
+        /// Store pages leased for a copy.
+        StorePagesNew = "store_pages_new",
+        /// Bytes exposed to store copies.
+        StoreBytesLeased = "store_bytes_leased",
+        /// Bytes committed by successful store finishes.
+        StoreBytesCommitted = "store_bytes_committed",
+        /// Store admissions that had to wait for space.
+        AdmissionWaits = "admission_waits",
+        /// Admission attempts repeated after a wait.
+        AdmissionRetries = "admission_retries",
+        /// Store admissions that succeeded after waiting for evictions.
+        AdmissionSuccessAfterEviction = "admission_success_after_eviction",
+        /// Store admissions that gave up on space (a `capacity` miss).
+        AdmissionTimeouts = "admission_timeouts",
+        /// Store admissions answered `busy`.
+        AdmissionBusy = "admission_busy",
+        /// Generations published (every rank committed).
+        Published = "published",
+        /// Retrieves whose slots were exposed (restores served).
+        Hits = "hits",
+        /// Listed generations dropped for space (directory capacity, or their only copy evicted).
+        Evictions = "evictions",
+        /// L1 copies evicted.
+        L1Evictions = "l1_evictions",
+        /// L2 files evicted for space.
+        L2Evictions = "l2_evictions",
+        /// Pages loaded from L2 into L1 for a retrieve.
+        L2Loads = "l2_loads",
+        /// Retrieve loads that waited for L1 space.
+        RetrieveCapacityWaits = "retrieve_capacity_waits",
+        /// Retrieves cancelled before exposing slots.
+        RetrievesCancelled = "retrieves_cancelled",
+        /// L2 reads that proved a page lost (missing or corrupt file).
+        L2CorruptOrMissing = "l2_corrupt_or_missing",
+        /// L2 writes that failed.
+        L2WriteErrors = "l2_write_errors",
+        /// L2 writes skipped because the tier was full.
+        L2SkippedFull = "l2_skipped_full",
+        /// Objects deleted from every tier at zero references.
+        ReclaimedObjects = "reclaimed_objects",
+        /// Generations retired at start-up (an object missing or corrupt).
+        RestartRetired = "restart_retired",
+        /// Clears performed.
+        Clears = "clears",
+    }
+}
+
+/// The counts of every [`Counter`] and every [`MissReason`].
+#[derive(Debug, Clone)]
+pub struct Counters {
+    events: [u64; Counter::ALL.len()],
+    misses: [u64; MissReason::ALL.len()],
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            events: [0; Counter::ALL.len()],
+            misses: [0; MissReason::ALL.len()],
+        }
+    }
+}
+
+impl Counters {
+    /// Adds `by` to `counter`.
+    pub fn add(&mut self, counter: Counter, by: u64) {
+        let slot = &mut self.events[counter as usize];
+        *slot = slot.saturating_add(by);
+    }
+
+    /// Counts one miss for `reason`.
+    pub fn miss(&mut self, reason: MissReason) {
+        let slot = &mut self.misses[reason as usize];
+        *slot = slot.saturating_add(1);
+    }
+
+    /// The value of `counter`.
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.events[counter as usize]
+    }
+
+    /// Every counter with its value (zeros included, so metrics exist from the start).
+    pub fn events(&self) -> impl Iterator<Item = (Counter, u64)> + '_ {
+        Counter::ALL.iter().map(|&c| (c, self.get(c)))
+    }
+
+    /// Every reason that missed at least once, with its count.
+    pub fn misses(&self) -> impl Iterator<Item = (MissReason, u64)> + '_ {
+        MissReason::ALL
+            .iter()
+            .map(|&r| (r, self.misses[r as usize]))
+            .filter(|&(_, n)| n > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counter_names_are_unique_and_index_their_slots() {
+        let names: std::collections::HashSet<&str> =
+            Counter::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(names.len(), Counter::ALL.len());
+        let mut c = Counters::default();
+        c.add(Counter::Clears, 2);
+        c.add(Counter::FindHits, 1);
+        c.miss(MissReason::Capacity);
+        assert_eq!(c.get(Counter::Clears), 2);
+        assert_eq!(c.get(Counter::FindMisses), 0);
+        assert_eq!(
+            c.misses().collect::<Vec<_>>(),
+            vec![(MissReason::Capacity, 1)]
+        );
+    }
+}

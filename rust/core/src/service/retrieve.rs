@@ -1,0 +1,275 @@
+//! The retrieve path: `find` a candidate, lease one rank's pages
+//! (`begin_retrieve`), wait while pages load from L2 (`poll_retrieve`), and
+//! end the lease (`finish_retrieve`, or `cancel_retrieve` before exposure).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::Inner;
+use super::counters::Counter;
+use super::keys::object_keys;
+use super::state::{L1, L2, RetrieveLease, State};
+use super::store::check_rank;
+use crate::error::{Error, Result};
+use crate::identity::Prefix;
+use crate::manifest::Manifest;
+use crate::protocol::{Lease, MissReason};
+use crate::store::ObjectKey;
+
+/// The longest listed generation whose prefix is a whole-token prefix of
+/// the query. A candidate only: every rank must still retrieve it.
+pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manifest>> {
+    let found = inner.dir.find(roots)?;
+    let counter = match &found {
+        Some(_) => Counter::FindHits,
+        None => Counter::FindMisses,
+    };
+    inner.lock().count(counter, 1);
+    Ok(found)
+}
+
+/// Starts restoring one rank of a listed generation. Answers `pending`
+/// with a lease id (poll it) or `miss` (unlisted, retired, no budget).
+pub(super) fn begin_retrieve(inner: &Arc<Inner>, manifest: &Manifest, rank: u32) -> Result<Lease> {
+    let schema = manifest.payload_schema()?;
+    let groups = object_keys(manifest, &schema, rank)?;
+    let listed = inner.dir.get(manifest.generation())?;
+    let mut st = inner.lock();
+    if listed.as_ref() != Some(manifest) || !st.listed.contains_key(manifest.generation()) {
+        return Ok(st.miss(MissReason::NotListed));
+    }
+    if !st.accepting {
+        return Ok(st.miss(MissReason::Shutdown));
+    }
+    if st.live_leases() >= inner.config.max_leases {
+        return Ok(st.miss(MissReason::LeaseBudget));
+    }
+    let (lease_no, lease_id) = st.new_lease_id();
+    let keys: Vec<ObjectKey> = groups.iter().flatten().copied().collect();
+    let n = keys.len();
+    st.retrieve_leases.insert(
+        lease_no,
+        RetrieveLease {
+            generation: manifest.generation().to_string(),
+            keys,
+            group_sizes: groups.iter().map(Vec::len).collect(),
+            held: vec![false; n],
+            exposed: false,
+            rank,
+            failed: None,
+            started: Instant::now(),
+        },
+    );
+    advance_retrieve(&mut st, lease_no);
+    Ok(Lease::pending(lease_id))
+}
+
+fn unknown_lease(lease_id: &str) -> Error {
+    Error::NotFound(format!("unknown retrieve lease {lease_id}"))
+}
+
+/// Polls a retrieve: `pending`, `ready` with slots (every page of the rank,
+/// read-locked until finish) or `miss` (the lease is gone).
+pub(super) fn poll_retrieve(
+    inner: &Arc<Inner>,
+    lease_id: &str,
+    rank: Option<u32>,
+) -> Result<Lease> {
+    let mut st = inner.lock();
+    let lease_no = st
+        .lease_number(lease_id)
+        .filter(|n| st.retrieve_leases.contains_key(n))
+        .ok_or_else(|| unknown_lease(lease_id))?;
+    if let Some(lease) = st.retrieve_leases.get(&lease_no) {
+        check_rank(lease_id, lease.rank, rank)?;
+    }
+    advance_retrieve(&mut st, lease_no);
+    let timeout = inner.config.retrieve_timeout;
+    let lease = st
+        .retrieve_leases
+        .get_mut(&lease_no)
+        .ok_or_else(|| unknown_lease(lease_id))?;
+    if lease.failed.is_none() && !lease.held.iter().all(|h| *h) && lease.started.elapsed() > timeout
+    {
+        lease.failed = Some(MissReason::RetrieveTimeout);
+    }
+    if let Some(reason) = lease.failed {
+        if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
+            release_readers(&mut st, &lease);
+        }
+        return Ok(st.miss(reason));
+    }
+    let lease = st
+        .retrieve_leases
+        .get(&lease_no)
+        .ok_or_else(|| unknown_lease(lease_id))?;
+    if !lease.held.iter().all(|h| *h) {
+        return Ok(Lease::pending(lease_id.to_string()));
+    }
+    let mut slots = Vec::with_capacity(lease.group_sizes.len());
+    let mut i = 0;
+    for size in &lease.group_sizes {
+        let mut group = Vec::with_capacity(*size);
+        for key in &lease.keys[i..i + size] {
+            let obj = st.objects.get(key);
+            match obj.and_then(|o| o.slot.map(|s| (s.offset, o.page_bytes))) {
+                Some(slot) => group.push(Some(slot)),
+                None => {
+                    return Err(Error::invalid(
+                        "internal: a held retrieve object has no L1 slot",
+                    ));
+                }
+            }
+        }
+        i += size;
+        slots.push(group);
+    }
+    let first_exposure = !lease.exposed;
+    if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
+        lease.exposed = true;
+    }
+    if first_exposure {
+        st.count(Counter::Hits, 1);
+    }
+    Ok(Lease::ready(lease_id.to_string(), slots))
+}
+
+/// Ends an exposed retrieve lease after the worker's copy drained.
+/// Unknown ids are a no-op; a lease not yet exposed is an error.
+pub(super) fn finish_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u32>) -> Result<()> {
+    let mut st = inner.lock();
+    let Some(lease) = take_lease(&mut st, lease_id, rank, true)? else {
+        return Ok(());
+    };
+    for key in &lease.keys {
+        st.touch(key);
+    }
+    release_readers(&mut st, &lease);
+    Ok(())
+}
+
+/// Cancels a retrieve that exposed nothing yet; never invalidates the
+/// generation. Unknown ids are a no-op; an exposed lease must be finished.
+pub(super) fn cancel_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u32>) -> Result<()> {
+    let mut st = inner.lock();
+    let Some(lease) = take_lease(&mut st, lease_id, rank, false)? else {
+        return Ok(());
+    };
+    release_readers(&mut st, &lease);
+    st.count(Counter::RetrievesCancelled, 1);
+    Ok(())
+}
+
+/// Removes the retrieve lease `lease_id` for finishing (`exposed`) or
+/// cancelling (`!exposed`): None when unknown; an error when another rank
+/// names it or it is in the other state (finish an exposed lease, cancel
+/// one that exposed nothing).
+fn take_lease(
+    st: &mut State,
+    lease_id: &str,
+    rank: Option<u32>,
+    exposed: bool,
+) -> Result<Option<RetrieveLease>> {
+    let Some(lease_no) = st.lease_number(lease_id) else {
+        return Ok(None);
+    };
+    let Some(lease) = st.retrieve_leases.get(&lease_no) else {
+        return Ok(None);
+    };
+    check_rank(lease_id, lease.rank, rank)?;
+    match (lease.exposed, exposed) {
+        (false, true) => Err(Error::invalid(
+            "retrieve lease has no exposed slots yet: poll it until ready, or cancel it",
+        )),
+        (true, false) => Err(Error::invalid(
+            "retrieve lease already exposed its slots: finish it after the copy drained",
+        )),
+        _ => Ok(st.retrieve_leases.remove(&lease_no)),
+    }
+}
+
+/// Drops a retrieve lease's readers (objects may become reclaimable).
+pub(super) fn release_readers(st: &mut State, lease: &RetrieveLease) {
+    for (key, held) in lease.keys.iter().zip(&lease.held) {
+        if *held {
+            st.drop_reader(key);
+        }
+    }
+    for key in &lease.keys {
+        st.maybe_reclaim(key);
+    }
+}
+
+/// Takes readers on every resident page of a retrieve and queues L2 loads
+/// for the rest (performed when the lock is released).
+fn advance_retrieve(st: &mut State, lease_no: u64) {
+    let Some(lease) = st.retrieve_leases.get(&lease_no) else {
+        return;
+    };
+    if lease.failed.is_some() {
+        return;
+    }
+    let pending: Vec<(usize, ObjectKey)> = lease
+        .held
+        .iter()
+        .enumerate()
+        .filter(|(_, held)| !**held)
+        .map(|(i, _)| (i, lease.keys[i]))
+        .collect();
+    let generation = lease.generation.clone();
+    for (i, key) in pending {
+        let state = st.objects.get(&key).map(|o| (o.l1, o.l2, o.page_bytes));
+        match state {
+            Some((L1::Ready, _, _)) => {
+                st.add_reader(&key);
+                st.touch(&key);
+                if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
+                    lease.held[i] = true;
+                }
+            }
+            Some((L1::Loading | L1::Writing(_), _, _)) => {
+                if let Some(obj) = st.objects.get_mut(&key) {
+                    if !obj.waiters.contains(&lease_no) {
+                        obj.waiters.push(lease_no);
+                    }
+                }
+            }
+            Some((L1::Absent, L2::Durable, bytes)) => {
+                let mut slot = st.alloc.alloc(bytes);
+                if slot.is_none() {
+                    let reserved = st.alloc.reserved_for(bytes).unwrap_or(u64::MAX);
+                    if st.evict_for(reserved, true) {
+                        slot = st.alloc.alloc(bytes);
+                    }
+                }
+                match slot {
+                    Some(slot) => {
+                        if let Some(obj) = st.objects.get_mut(&key) {
+                            obj.slot = Some(slot);
+                            obj.l1 = L1::Loading;
+                            obj.waiters.push(lease_no);
+                        }
+                        st.start_io(&key);
+                        st.count(Counter::L2Loads, 1);
+                        st.loads.push((key, slot.offset, bytes));
+                    }
+                    None => {
+                        // Wait for space; the poll deadline bounds the wait.
+                        st.count(Counter::RetrieveCapacityWaits, 1);
+                    }
+                }
+            }
+            _ => {
+                // No copy anywhere: proof of loss, the generation is retired.
+                if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
+                    lease.failed = Some(MissReason::LostObject);
+                }
+                if st.listed.contains_key(generation.as_str()) {
+                    st.to_retire.push(Arc::from(generation.as_str()));
+                    st.unlist_generation(&generation);
+                }
+                break;
+            }
+        }
+    }
+}
