@@ -13,6 +13,7 @@
 //! error that releases the primary context). The copy paths run end to end
 //! in `tests_py/test_cuda_fake_driver.py`.
 
+use std::collections::BTreeSet;
 use std::ffi::{CString, c_char, c_int, c_uint};
 use std::path::Path;
 use std::process::{Command, ExitCode};
@@ -143,6 +144,10 @@ type Case = (&'static str, fn(&Controls));
 fn child(lib: &Path) -> ExitCode {
     let fake = Controls::load(lib);
     let cases: &[Case] = &[
+        (
+            "the_backend_probes_every_symbol_it_calls_and_the_fake_exports_them",
+            symbol_lists,
+        ),
         ("the_probe_finds_every_symbol_in_the_fake", probe),
         ("copies_run_only_when_waited_for", queued_copies),
         ("driver_calls_check_contexts_handles_and_ranges", checks),
@@ -158,6 +163,34 @@ fn child(lib: &Path) -> ExitCode {
         println!("test {name} ... ok");
     }
     ExitCode::SUCCESS
+}
+
+/// The cuda backend's source: every `sys::cu*` function it calls is in its
+/// probed `SYMBOLS` (else cudarc panics on a driver that lacks one), and the
+/// fake exports exactly that list.
+fn symbol_lists(_: &Controls) {
+    let source = include_str!("../../core/src/transfer/cuda.rs");
+    let called: BTreeSet<&str> = source
+        .match_indices("sys::cu")
+        .map(|(at, _)| {
+            let name = &source[at + "sys::".len()..];
+            let end = name
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(name.len());
+            &name[..end]
+        })
+        .collect();
+    let start = source
+        .find("const SYMBOLS: &[&str] = &[")
+        .expect("cuda.rs declares SYMBOLS");
+    let list = &source[start..];
+    let list = &list[..list.find("];").expect("the end of SYMBOLS")];
+    let probed: BTreeSet<&str> = list.split('"').skip(1).step_by(2).collect();
+    assert!(called.len() >= 10, "found the calls: {called:?}");
+    let unprobed: Vec<_> = called.difference(&probed).collect();
+    assert!(unprobed.is_empty(), "called but not probed: {unprobed:?}");
+    let exported: BTreeSet<&str> = lmcache_rc_fake_cuda::SYMBOLS.iter().copied().collect();
+    assert_eq!(probed, exported, "the fake must export what the backend probes");
 }
 
 fn probe(fake: &Controls) {
