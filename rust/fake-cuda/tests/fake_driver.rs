@@ -190,7 +190,10 @@ fn symbol_lists(_: &Controls) {
     let unprobed: Vec<_> = called.difference(&probed).collect();
     assert!(unprobed.is_empty(), "called but not probed: {unprobed:?}");
     let exported: BTreeSet<&str> = lmcache_rc_fake_cuda::SYMBOLS.iter().copied().collect();
-    assert_eq!(probed, exported, "the fake must export what the backend probes");
+    assert_eq!(
+        probed, exported,
+        "the fake must export what the backend probes"
+    );
 }
 
 fn probe(fake: &Controls) {
