@@ -15,7 +15,8 @@ failures reported False with a Device error and the lease finished as failed
 (the next task succeeds, the sidecar is idle, no lane leaked), a failed event
 record recovered by synchronising the stream, a failed wait making the engine
 unsafe with the lease left live at the sidecar and the copies still queued,
-and several copies of one rank in flight at once on lanes of their own."""
+several copies of one rank in flight at once on lanes of their own, and a
+restarted sidecar's pool page-locked again with the old mapping released."""
 
 from __future__ import annotations
 
@@ -527,5 +528,40 @@ def test_construction_failures_are_errors_that_give_everything_back(
     assert fake.stat("ctx_refs") == baseline["ctx_refs"] + 1
     assert fake.stat("host_registrations") == baseline["host_registrations"] + 1
     engine.close()
+    del engine
+    assert_released(fake, baseline)
+
+
+def test_a_restarted_sidecar_is_page_locked_again_and_the_old_mapping_released(
+    fake: FakeDriver, tmp_path: Path
+) -> None:
+    baseline = fake.stats()
+    cfg = config(tmp_path, l1_bytes=8 << 20)
+    m1, m2 = manifest(0), manifest(5000)
+    pool = cuda_pool(fake)
+    fill(pool.array, m1, 0, block_layout(m1, 1))
+    fill(pool.array, m2, 0, block_layout(m2, 20))
+    with rc.Server.start(cfg) as first:
+        engine = rc.TransferEngine.cuda(first.socket_path, pool.data_ptr(), 64, PAGE, layout=LAYOUT)
+        with rc.Client(first.socket_path) as c:
+            assert c.begin(m1)
+        f = submit_one(engine, m1, "STORE", block_layout(m1, 1))
+        assert f.result() is True
+        assert engine.mappings == 1
+        assert fake.stat("host_registrations") == baseline["host_registrations"] + 1
+    with rc.Server.start(cfg) as second:
+        with rc.Client(second.socket_path) as c:
+            assert c.begin(m2)
+            f = submit_one(engine, m2, "STORE", block_layout(m2, 20))
+            assert f.result() is True, f.error
+            assert engine.mappings == 2, "the recreated pool was not mapped again"
+            assert c.find([m2.prefix]) == m2
+            assert idle(c) == (0, 0, 0)
+        # The old mapping's registration was released (from whichever thread
+        # dropped it, with the context made current there), the new one holds.
+        assert fake.stat("host_registrations") == baseline["host_registrations"] + 1
+        assert fake.calls("cuMemHostUnregister") == 1
+        assert fake.stat("violations") == 0
+        engine.close()
     del engine
     assert_released(fake, baseline)
