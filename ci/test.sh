@@ -8,6 +8,8 @@ source "$(dirname "$0")/env.sh"
 bash ci/lint.sh
 echo "== cargo test (core crate: unit tests + tests_rs)"
 cargo test -p lmcache-rc-core
+echo "== cargo test (fake CUDA driver: the cuda backend through cudarc's loader, no GPU)"
+cargo test -p lmcache-rc-fake-cuda
 echo "== pytest"
 python -m pytest tests_py -q -p no:cacheprovider
 bash ci/vllm-test.sh
