@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Makes (or reuses) the virtualenv of the real-vLLM suite: vllm==0.33.0 from
 # PyPI (it brings torch: about 9.5 GB and several minutes the first time,
-# cached under ~/.cache/lmcache-rc/ afterwards) plus this project's wheel,
-# built from the working tree. Prints the venv's python path on its last line.
+# cached under ~/.cache/lmcache-rc/ afterwards), and installs this project's
+# wheel, built from the working tree, into target/vllm-site/ of this checkout
+# (never into the shared venv, so checkouts do not disturb each other).
+# Prints the venv's python and the wheel's site directory on its last line.
 # Usage: bash ci/vllm-env.sh          (LMCACHE_RC_VLLM_VENV overrides the location)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,8 +30,9 @@ PY
 # This project's wheel (release build, abi3), installed without touching vLLM's dependencies.
 source "$ROOT/ci/env.sh" >&2
 WHEELS="$ROOT/target/vllm-wheel"
-rm -rf "$WHEELS"
+SITE="$ROOT/target/vllm-site"
+rm -rf "$WHEELS" "$SITE"
 echo "== building the lmcache-rc wheel for the vLLM venv" >&2
 maturin build --release --quiet --out "$WHEELS" >&2
-"$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "$WHEELS"/lmcache_rc-*.whl >&2
-echo "$VENV/bin/python"
+"$VENV/bin/python" -m pip install -q --no-deps --target "$SITE" "$WHEELS"/lmcache_rc-*.whl >&2
+echo "$VENV/bin/python $SITE"
