@@ -25,6 +25,12 @@ if ! command -v cargo >/dev/null; then
   echo "error: cargo not found; install Rust (>= 1.85) first, e.g. from https://rustup.rs" >&2
   exit 1
 fi
-echo "== building lmcache_rc (maturin develop --release)"
-maturin develop --release --quiet >/tmp/lmcache-rc-maturin.log 2>&1 || { cat /tmp/lmcache-rc-maturin.log >&2; exit 1; }
-python -c "import lmcache_rc" || { echo "error: lmcache_rc failed to import after build" >&2; exit 1; }
+# Sourced by several scripts in one run (ci/test.sh runs ci/lint.sh): build once.
+if [ "${LMCACHE_RC_BUILT:-}" != "$ROOT" ]; then
+  echo "== building lmcache_rc (maturin develop --release; cargo prints its progress)"
+  # cargo's own progress and warnings go to the terminal; the first build
+  # compiles every dependency (SQLite included) and takes a few minutes.
+  maturin develop --release
+  python -c "import lmcache_rc" || { echo "error: lmcache_rc failed to import after build" >&2; exit 1; }
+  export LMCACHE_RC_BUILT="$ROOT"
+fi

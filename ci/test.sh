@@ -6,10 +6,12 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 bash ci/lint.sh
+# --release reuses the dependencies maturin just compiled (SQLite included);
+# -q prints a dot per test and every failure in full.
 echo "== cargo test (core crate: unit tests + tests_rs)"
-cargo test -p lmcache-rc-core
+cargo test --release -q -p lmcache-rc-core
 echo "== cargo test (fake CUDA driver: the cuda backend through cudarc's loader, no GPU)"
-cargo test -p lmcache-rc-fake-cuda
+cargo test --release -q -p lmcache-rc-fake-cuda
 echo "== pytest"
 python -m pytest tests_py -q -p no:cacheprovider
 bash ci/vllm-test.sh
