@@ -11,6 +11,7 @@
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
+//! - `shared` (feature `shared-tier`): the tier shared across hosts on an object store;
 //! - [`transfer`]: worker copies between a page pool and shared memory;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
@@ -28,6 +29,8 @@ pub mod manifest;
 pub mod protocol;
 pub mod rpc;
 pub mod service;
+#[cfg(feature = "shared-tier")]
+pub mod shared;
 pub mod store;
 pub mod transfer;
 
