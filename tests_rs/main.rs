@@ -22,6 +22,8 @@ mod rpc_restart;
 mod rpc_server;
 mod rpc_stress;
 mod rpc_wire;
+#[cfg(feature = "shared-tier")]
+mod s3_server;
 mod service_basic;
 mod service_capacity;
 mod service_clear;
@@ -34,6 +36,8 @@ mod service_races;
 mod service_restart;
 mod service_scenarios;
 mod service_write_once;
+#[cfg(feature = "shared-tier")]
+mod shared_tier;
 mod store_alloc;
 mod store_l2;
 mod store_shm;
