@@ -1,5 +1,11 @@
 //! `rc.Directory`: the durable checkpoint directory on its own (DESIGN §6).
 //! Every method runs with the GIL released (they all touch SQLite).
+//!
+//! The lookup path (`find`, `ancestors`) copies nothing: a `TokenRoots` is
+//! read in place (its roots are never built as `Prefix` objects), and an
+//! iterable of `Prefix` is borrowed from the frozen Python objects, which this
+//! call keeps alive while the GIL is released. What is left of a call is the
+//! argument check, one GIL release and one `Manifest` object for the answer.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList};
 
 use crate::errors::{IntoPyResult, invalid};
-use crate::identity::{PyManifest, PyPrefix};
+use crate::identity::{PyManifest, PyPrefix, PyTokenRoots};
 
 /// Reads a capacity: a positive int (bool and float refused, as the reference does).
 fn capacity(value: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -22,17 +28,30 @@ fn capacity(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     }
 }
 
-fn prefixes(roots: &Bound<'_, PyAny>) -> PyResult<Vec<lmcache_rc_core::Prefix>> {
-    roots
-        .try_iter()?
-        .map(|r| {
-            let r = r?;
-            let p = r.cast::<PyPrefix>().map_err(|_| {
-                crate::errors::invalid_type("find takes an iterable of lmcache_rc.Prefix")
-            })?;
-            Ok(p.get().inner.clone())
-        })
-        .collect()
+/// The query of `find` / `ancestors`: a `TokenRoots` (read in place) or the
+/// `Prefix` objects of an iterable (held, and borrowed without copying).
+enum Roots<'py> {
+    Tokens(Bound<'py, PyTokenRoots>),
+    Prefixes(Vec<Bound<'py, PyPrefix>>),
+}
+
+impl<'py> Roots<'py> {
+    fn extract(roots: &Bound<'py, PyAny>, method: &str) -> PyResult<Self> {
+        if let Ok(tokens) = roots.cast::<PyTokenRoots>() {
+            return Ok(Roots::Tokens(tokens.clone()));
+        }
+        let wrong = || {
+            crate::errors::invalid_type(format!(
+                "{method} takes lmcache_rc.TokenRoots or an iterable of lmcache_rc.Prefix"
+            ))
+        };
+        let items = roots.try_iter().map_err(|_| wrong())?;
+        let mut prefixes = Vec::with_capacity(roots.len().unwrap_or(0));
+        for item in items {
+            prefixes.push(item?.cast_into::<PyPrefix>().map_err(|_| wrong())?);
+        }
+        Ok(Roots::Prefixes(prefixes))
+    }
 }
 
 /// The directory of published generations (path None = in memory).
@@ -105,10 +124,19 @@ impl PyDirectory {
 
     /// The longest published generation matching the roots, or None.
     fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Option<PyManifest>> {
-        let roots = prefixes(roots)?;
-        py.detach(|| self.inner.find(&roots))
-            .py()
-            .map(|m| m.map(PyManifest::wrap))
+        let found = match Roots::extract(roots, "find")? {
+            Roots::Tokens(tokens) => {
+                // Frozen: the roots are immutable and `tokens` keeps them alive.
+                let tokens = &tokens.get().inner;
+                py.detach(|| self.inner.find_roots(tokens))
+            }
+            Roots::Prefixes(held) => {
+                let queries: Vec<&lmcache_rc_core::Prefix> =
+                    held.iter().map(|p| &p.get().inner).collect();
+                py.detach(|| self.inner.find(&queries))
+            }
+        };
+        found.py().map(|m| m.map(PyManifest::wrap))
     }
 
     /// Published manifest of a generation, or None (no recency refresh).
@@ -125,8 +153,18 @@ impl PyDirectory {
         roots: &Bound<'_, PyAny>,
         below_tokens: u64,
     ) -> PyResult<Vec<PyManifest>> {
-        let roots = prefixes(roots)?;
-        py.detach(|| self.inner.ancestors(&roots, below_tokens))
+        let found = match Roots::extract(roots, "ancestors")? {
+            Roots::Tokens(tokens) => {
+                let tokens = &tokens.get().inner;
+                py.detach(|| self.inner.ancestors_roots(tokens, below_tokens))
+            }
+            Roots::Prefixes(held) => {
+                let queries: Vec<&lmcache_rc_core::Prefix> =
+                    held.iter().map(|p| &p.get().inner).collect();
+                py.detach(|| self.inner.ancestors(&queries, below_tokens))
+            }
+        };
+        found
             .py()
             .map(|ms| ms.into_iter().map(PyManifest::wrap).collect())
     }
@@ -134,6 +172,13 @@ impl PyDirectory {
     /// Delists one generation (never its replacement); False if unknown.
     fn invalidate(&self, py: Python<'_>, generation: &str) -> PyResult<bool> {
         py.detach(|| self.inner.invalidate(generation)).py()
+    }
+
+    /// Marks published generations durable (their payload objects are on
+    /// disk) in one synced transaction shared with concurrent callers;
+    /// per input, whether it is published.
+    fn mark_durable(&self, py: Python<'_>, generations: Vec<String>) -> PyResult<Vec<bool>> {
+        py.detach(|| self.inner.mark_durable(&generations)).py()
     }
 
     /// Published generations with durability and bytes, ordered by id.
@@ -175,6 +220,7 @@ impl PyDirectory {
         d.set_item("dirty_recency", s.dirty_recency)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("invalid_rows", s.invalid_rows)?;
+        d.set_item("durability_fsyncs", s.durability_fsyncs)?;
         Ok(d)
     }
 
