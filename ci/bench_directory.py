@@ -43,23 +43,27 @@ def read_queries(path: Path) -> list[np.ndarray]:
 def percentiles(samples: list[float]) -> tuple[float, float]:
     """p50 and p99 in microseconds (nearest rank, like the Rust bench)."""
     s = sorted(samples)
-    pick = lambda p: s[min(len(s) - 1, round((len(s) - 1) * p))]  # noqa: E731
+
+    def pick(p: float) -> float:
+        return s[min(len(s) - 1, round((len(s) - 1) * p))]
+
     return pick(0.5) * 1e6, pick(0.99) * 1e6
 
 
-def time_python(
-    path: Path, args: list[object], call: Callable[[rc.Directory, object], object]
-) -> tuple[float, float]:
-    """Opens the directory, warms up, and times one ``call`` per query."""
+Lookup = Callable[[rc.Directory, int], "rc.Manifest | None"]
+
+
+def time_python(path: Path, n: int, call: Lookup) -> tuple[float, float]:
+    """Opens the directory, warms up, and times ``call(d, i)`` for each query i."""
     d = rc.Directory(path)
     try:
-        for a in args:
-            call(d, a)
+        for i in range(n):
+            call(d, i)
         lat = []
         clock = time.perf_counter
-        for a in args:
+        for i in range(n):
             t = clock()
-            m = call(d, a)
+            m = call(d, i)
             lat.append(clock() - t)
             assert m is not None, "every query hits"
         return percentiles(lat)
@@ -79,45 +83,46 @@ def time_rust(binary: str, path: Path, queries: Path) -> tuple[float, float]:
     return float(p50), float(p99)
 
 
+def bench_size(db: Path, binary: str) -> None:
+    """Prints Rust and Python find p50/p99 for one kept directory."""
+    qpath = db.with_suffix(".queries")
+    tokens = read_queries(qpath)
+    roots = [rc.TokenRoots.build(NS, t) for t in tokens]
+    tuples = [r.roots for r in roots]
+    n_roots = sum(len(t) for t in tuples) / len(tuples)
+    forms: list[tuple[str, Lookup]] = [
+        ("find(TokenRoots)", lambda d, i: d.find(roots[i])),
+        ("find(roots.roots), tuple prebuilt", lambda d, i: d.find(tuples[i])),
+        ("find(roots.roots)", lambda d, i: d.find(roots[i].roots)),
+    ]
+    rust: list[tuple[float, float]] = []
+    python: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in forms}
+    for _ in range(ROUNDS):
+        rust.append(time_rust(binary, db, qpath))
+        for name, call in forms:
+            python[name].append(time_python(db, len(roots), call))
+    r50 = statistics.median(p for p, _ in rust)
+    r99 = statistics.median(p for _, p in rust)
+    print(
+        f"-- {db.stem[1:]} published generations: {len(tokens)} prompts of 2k..20k "
+        f"tokens ({n_roots:.1f} roots each), median of {ROUNDS} rounds"
+    )
+    rust_name = "Rust find(&[Prefix])"
+    print(f"  {rust_name:<41}: p50 {r50:7.2f} us  p99 {r99:7.2f} us")
+    for name, _ in forms:
+        p50 = statistics.median(p for p, _ in python[name])
+        p99 = statistics.median(p for _, p in python[name])
+        print(
+            f"  Python {name:<34}: p50 {p50:7.2f} us  p99 {p99:7.2f} us  "
+            f"(p50 x Rust {p50 / r50:.2f}, target <= 2)"
+        )
+
+
 def main() -> None:
     """Run every size left in argv[1] against the Rust binary argv[2]."""
     keep, binary = Path(sys.argv[1]), sys.argv[2]
     for db in sorted(keep.glob("n*.sqlite3"), key=lambda p: int(p.stem[1:])):
-        qpath = db.with_suffix(".queries")
-        tokens = read_queries(qpath)
-        roots = [rc.TokenRoots.build(NS, t) for t in tokens]
-        tuples = [r.roots for r in roots]
-        n_roots = sum(len(t) for t in tuples) / len(tuples)
-        forms: list[tuple[str, list[object], Callable[[rc.Directory, object], object]]] = []
-        try:
-            d = rc.Directory(db)
-            d.find(roots[0])  # type: ignore[arg-type]
-            d.close()
-            forms.append(("find(TokenRoots)", list(roots), lambda d, a: d.find(a)))  # type: ignore[arg-type]
-        except TypeError:
-            d.close()  # a build whose find takes only Prefix iterables
-        forms.append(("find(roots.roots), tuple prebuilt", list(tuples), lambda d, a: d.find(a)))  # type: ignore[arg-type]
-        forms.append(("find(roots.roots)", list(roots), lambda d, a: d.find(a.roots)))  # type: ignore[attr-defined]
-        rust: list[tuple[float, float]] = []
-        python: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in forms}
-        for _ in range(ROUNDS):
-            rust.append(time_rust(binary, db, qpath))
-            for name, args, call in forms:
-                python[name].append(time_python(db, args, call))
-        r50 = statistics.median(p for p, _ in rust)
-        r99 = statistics.median(p for _, p in rust)
-        print(
-            f"-- {db.stem[1:]} published generations: {len(tokens)} prompts of 2k..20k "
-            f"tokens ({n_roots:.1f} roots each), median of {ROUNDS} rounds"
-        )
-        print(f"  Rust find (&[Prefix])                   : p50 {r50:7.2f} us  p99 {r99:7.2f} us")
-        for name, _, _ in forms:
-            p50 = statistics.median(p for p, _ in python[name])
-            p99 = statistics.median(p for _, p in python[name])
-            print(
-                f"  Python {name:<34}: p50 {p50:7.2f} us  p99 {p99:7.2f} us  "
-                f"(p50 x Rust {p50 / r50:.2f}, target <= 2)"
-            )
+        bench_size(db, binary)
 
 
 if __name__ == "__main__":
