@@ -1325,6 +1325,10 @@ impl Inner {
         let stamp = self.counter + 1;
         let max_entries = self.config.max_entries;
         let max_bytes = self.config.max_bytes;
+        // Every stored row with this exact prefix has this fingerprint in the
+        // accelerator (same bucket, length and tail hash), so without a
+        // candidate there is nothing to replace and no need to probe.
+        let may_replace = !self.lookup.rows(entry.fp).is_empty();
         let conn = self.conn.as_mut().ok_or(Error::Closed(CLOSED))?;
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -1334,15 +1338,18 @@ impl Inner {
         let start = i64::try_from(prefix.start_tokens()).map_err(|_| {
             Error::invalid("checkpoint prefix start_tokens exceeds the wire limits")
         })?;
-        let replaced: Option<(i64, String)> = tx
-            .prepare_cached(SQL_ROW_BY_PREFIX)
-            .db()?
-            .query_row(
-                params![prefix.namespace(), start, prefix.prefix_hash(), tail_blob],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()
-            .db()?;
+        let replaced: Option<(i64, String)> = if may_replace {
+            tx.prepare_cached(SQL_ROW_BY_PREFIX)
+                .db()?
+                .query_row(
+                    params![prefix.namespace(), start, prefix.prefix_hash(), tail_blob],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()
+                .db()?
+        } else {
+            None
+        };
         if let Some((rowid, old)) = &replaced {
             delete_row(&tx, *rowid, old)?;
         }
