@@ -241,6 +241,7 @@ def test_mark_durable_marks_a_batch_and_reports_which_are_published(tmp_path: Pa
     status = d.status()
     assert status["durable_generations"] == 2
     assert status["durability_fsyncs"] == 1
+    assert status["publish_transactions"] == 3
     d.close()
     d = rc.Directory(path)
     durable = {e["manifest"].generation: e["durable"] for e in d.list()}

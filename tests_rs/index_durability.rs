@@ -194,3 +194,100 @@ fn token_roots_are_found_exactly_as_their_prefix_roots() {
     let empty = TokenRoots::build(ns, Vec::new(), 4).unwrap();
     assert_eq!(dir.find_roots(&empty).unwrap(), None);
 }
+
+/// Eight threads publish into one directory under entry and byte capacity,
+/// with exact prefixes shared across threads (so replacements cross threads)
+/// while the directory batches concurrent publications into shared
+/// transactions: every rule still holds as if each had its own.
+#[test]
+fn concurrent_publications_keep_every_rule_when_they_share_transactions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("directory.sqlite3");
+    let config = DirectoryConfig {
+        max_entries: 40,
+        max_bytes: Some(35 * 16),
+        max_pending: 1024,
+        ..DirectoryConfig::default()
+    };
+    let dir = file(&path, config.clone());
+    let results: Vec<(String, lmcache_rc_core::index::Publication)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8u32)
+            .map(|t| {
+                let dir = &dir;
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for i in 0..60u32 {
+                        let g = format!("t{t}-{i:02}");
+                        let tail = [i % 10 + 1, t % 2 + 1];
+                        let m = manifest(&g, prefix(&tail), 2, payload2("k", 8, 1));
+                        assert!(dir.begin(&m).unwrap());
+                        for rank in [1, 0] {
+                            let p = dir.acknowledge(&g, rank).unwrap();
+                            out.push((g.clone(), p));
+                        }
+                        // A later acknowledgement of a published generation.
+                        assert!(!dir.acknowledge(&g, 0).unwrap().published);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+    let published: BTreeSet<String> = results
+        .iter()
+        .filter(|(_, p)| p.published)
+        .map(|(g, _)| g.clone())
+        .collect();
+    assert_eq!(
+        results.iter().filter(|(_, p)| p.published).count(),
+        480,
+        "exactly one publishing acknowledgement per generation"
+    );
+    assert_eq!(published.len(), 480);
+    // Every generation that left was reported exactly once, by the
+    // publication that replaced or evicted it.
+    let mut gone = BTreeSet::new();
+    let mut evicted = 0u64;
+    for (_, p) in &results {
+        for g in p.replaced.iter().chain(&p.evicted) {
+            assert!(
+                published.contains(g),
+                "{g} reported gone but never published"
+            );
+            assert!(gone.insert(g.clone()), "{g} reported gone twice");
+        }
+        assert!(p.published || (p.replaced.is_none() && p.evicted.is_empty()));
+        evicted += p.evicted.len() as u64;
+    }
+    let listed: BTreeSet<String> = published.difference(&gone).cloned().collect();
+    assert_eq!(names(&dir).0, listed);
+    let s = dir.status().unwrap();
+    assert_eq!(s.published_generations, listed.len() as u64);
+    assert!(s.published_generations <= 35, "byte capacity holds");
+    assert_eq!(s.published_bytes, 16 * listed.len() as u64);
+    assert_eq!((s.pending_generations, s.evictions), (0, evicted));
+    assert!((1..=480).contains(&s.publish_transactions));
+    eprintln!(
+        "480 concurrent publications in {} transactions",
+        s.publish_transactions
+    );
+    for g in &listed {
+        let m = dir.get(g).unwrap().unwrap();
+        assert_eq!(dir.find(std::slice::from_ref(m.prefix())).unwrap(), Some(m));
+    }
+    dir.close().unwrap();
+    let dir = file(&path, config);
+    assert_eq!(names(&dir).0, listed);
+    assert_eq!(
+        sorted(row_generations(&path)),
+        sorted(listed.iter().cloned().collect())
+    );
+    assert_eq!(
+        sorted(tail_generations(&path)),
+        sorted(listed.into_iter().collect())
+    );
+}

@@ -221,6 +221,7 @@ impl PyDirectory {
         d.set_item("evictions", s.evictions)?;
         d.set_item("invalid_rows", s.invalid_rows)?;
         d.set_item("durability_fsyncs", s.durability_fsyncs)?;
+        d.set_item("publish_transactions", s.publish_transactions)?;
         Ok(d)
     }
 

@@ -85,7 +85,8 @@
 //!   in batches, that every payload object of a generation reached disk
 //!   (DESIGN §5, I8); [`list`](Directory::list) reports it.
 //! * **Publication never waits for an fsync** (the reference syncs every
-//!   commit); durability is batched as above.
+//!   commit); durability is batched as above. Concurrent publications share
+//!   transactions (see [`acknowledge`](Directory::acknowledge)).
 //! * **Lookups take a [`TokenRoots`] directly** ([`find_roots`]) and read its
 //!   roots in place; `find` borrows its `Prefix` queries. Nothing is copied.
 //!
@@ -245,6 +246,9 @@ pub struct DirectoryStatus {
     /// Fsyncs of the write-ahead log run since open to make durable marks
     /// durable (one per group commit; 0 in memory).
     pub durability_fsyncs: u64,
+    /// Transactions that published generations since open (fewer than the
+    /// publications when concurrent ones shared transactions).
+    pub publish_transactions: u64,
 }
 
 /// One published generation as listed by [`Directory::list`].
@@ -294,6 +298,61 @@ impl RankSet {
     }
 }
 
+/// The accelerator as a publication transaction has changed it so far (it
+/// changes for real only after the commit).
+struct BatchTotals {
+    /// Rows this transaction inserted.
+    added: Map<i64, Entry>,
+    /// Accelerator rows this transaction deleted.
+    removed: Vec<i64>,
+    count: u64,
+    bytes: u64,
+}
+
+impl BatchTotals {
+    fn new(lookup: &Lookup) -> Self {
+        BatchTotals {
+            added: Map::default(),
+            removed: Vec::new(),
+            count: lookup.len(),
+            bytes: lookup.bytes(),
+        }
+    }
+
+    /// The entry of a row that still exists in this transaction.
+    fn entry(&self, lookup: &Lookup, rowid: i64) -> Option<Entry> {
+        self.added
+            .get(&rowid)
+            .or_else(|| lookup.get(rowid))
+            .copied()
+    }
+
+    fn add(&mut self, rowid: i64, entry: Entry) {
+        self.count += 1;
+        self.bytes = self.bytes.saturating_add(entry.payload_bytes);
+        self.added.insert(rowid, entry);
+    }
+
+    /// Takes a row this transaction deleted out of the totals.
+    fn gone(&mut self, lookup: &Lookup, rowid: i64) {
+        let entry = self.added.remove(&rowid).or_else(|| {
+            self.removed.push(rowid);
+            lookup.get(rowid).copied()
+        });
+        if let Some(e) = entry {
+            self.count -= 1;
+            self.bytes = self.bytes.saturating_sub(e.payload_bytes);
+        }
+    }
+}
+
+/// One publication staged inside a batch transaction.
+struct Staged<'a> {
+    generation: &'a str,
+    replaced: Option<(i64, String)>,
+    victims: Vec<(i64, String)>,
+}
+
 /// A generation between `begin` and publication.
 #[derive(Debug)]
 struct Pending {
@@ -304,6 +363,10 @@ struct Pending {
     tail_text: String,
     tail_hash: u64,
     payload_bytes: u64,
+    /// Every rank acknowledged; waiting in [`Inner::ready`] for a publication
+    /// transaction (a failed one clears it, so the next acknowledgement
+    /// retries).
+    queued: bool,
 }
 
 struct Inner {
@@ -321,9 +384,18 @@ struct Inner {
     dirty_since: Option<Instant>,
     evictions: u64,
     invalid_rows: u64,
+    publish_transactions: u64,
     /// Numbers write commits and makes them durable (file mode only).
     syncer: Option<Arc<Syncer>>,
     background: Arc<Background>,
+    /// Completed generations waiting for a publication transaction, with the
+    /// ticket their acknowledgement waits on (see [`Directory::acknowledge`]).
+    ready: Vec<(u64, String)>,
+    next_ticket: u64,
+    /// An acknowledgement is running publication transactions.
+    publishing: bool,
+    /// Outcomes for waiting acknowledgements, by ticket.
+    outcomes: Map<u64, Result<Publication>>,
 }
 
 /// Commits between checkpoints asked of the background thread (a publication
@@ -355,6 +427,8 @@ impl Background {
 struct Shared {
     inner: Mutex<Inner>,
     background: Arc<Background>,
+    /// Signals [`Inner::outcomes`] (and close) to waiting acknowledgements.
+    published: Condvar,
 }
 
 /// The checkpoint directory. Thread-safe: share it (e.g. in an `Arc`) and call
@@ -502,12 +576,18 @@ impl Directory {
             dirty_since: None,
             evictions: 0,
             invalid_rows: 0,
+            publish_transactions: 0,
             syncer: syncer.clone(),
             background: background.clone(),
+            ready: Vec::new(),
+            next_ticket: 0,
+            publishing: false,
+            outcomes: Map::default(),
         };
         let shared = Arc::new(Shared {
             inner: Mutex::new(inner),
             background,
+            published: Condvar::new(),
         });
         let flusher = match (checkpointer, &syncer) {
             (Some(checkpointer), Some(syncer)) => {
@@ -587,6 +667,7 @@ impl Directory {
                 tail_text: tail,
                 tail_hash,
                 payload_bytes,
+                queued: false,
             },
         );
         Ok(true)
@@ -595,17 +676,28 @@ impl Directory {
     /// Records that `rank` committed all its pages of a pending generation.
     /// When the distinct acknowledged ranks reach the world size, publishes
     /// atomically (see the module docs) and returns `published = true` with
-    /// the replaced and evicted generations. Unknown, aborted or already
-    /// published generations give `published = false` without checking the
-    /// rank; a rank outside `0..world_size` of a pending generation is
-    /// [`Error::InvalidInput`]. If the database fails, nothing is published
-    /// and the generation stays pending with its ranks.
+    /// the replaced and evicted generations. Unknown, aborted, already
+    /// published or being-published generations give `published = false`
+    /// without checking the rank; a rank outside `0..world_size` of a pending
+    /// generation is [`Error::InvalidInput`]. If the database fails, nothing
+    /// is published and the generation stays pending with its ranks.
+    ///
+    /// Concurrent publications share transactions: the acknowledgement that
+    /// completes a generation while another one is publishing queues it and
+    /// waits; the publishing one then publishes everything queued in one
+    /// transaction, in queue order, each exactly as if it had its own (a later
+    /// one may replace or evict an earlier one), and hands out the results.
+    /// If such a shared transaction fails, its generations are retried one
+    /// transaction each, so a failure is charged only to its own generation.
     pub fn acknowledge(&self, generation: &str, rank: u32) -> Result<Publication> {
         let mut guard = self.lock()?;
         let inner = &mut *guard;
         let Some(p) = inner.pending.get_mut(generation) else {
             return Ok(Publication::default());
         };
+        if p.queued {
+            return Ok(Publication::default());
+        }
         if rank >= p.manifest.world_size() {
             return Err(Error::invalid(MSG_RANK));
         }
@@ -613,7 +705,50 @@ impl Directory {
         if p.ranks.count < p.manifest.world_size() {
             return Ok(Publication::default());
         }
-        inner.publish(generation)
+        p.queued = true;
+        let ticket = inner.next_ticket;
+        inner.next_ticket += 1;
+        inner.ready.push((ticket, generation.to_owned()));
+        // Wait while another acknowledgement publishes; it takes ours too.
+        while guard.publishing {
+            self.shared.published.wait(&mut guard);
+            if let Some(outcome) = guard.outcomes.remove(&ticket) {
+                return outcome;
+            }
+            if guard.conn.is_none() {
+                return Err(Error::Closed(CLOSED));
+            }
+        }
+        if let Some(outcome) = guard.outcomes.remove(&ticket) {
+            return outcome;
+        }
+        // Publish everything queued, in rounds, until nothing is left.
+        guard.publishing = true;
+        let mut mine = None;
+        loop {
+            let batch = std::mem::take(&mut guard.ready);
+            if batch.is_empty() {
+                break;
+            }
+            let names: Vec<&str> = batch.iter().map(|(_, g)| g.as_str()).collect();
+            let outcomes = guard.publish_all(&names);
+            for ((t, _), outcome) in batch.iter().zip(outcomes) {
+                if *t == ticket {
+                    mine = Some(outcome);
+                } else {
+                    guard.outcomes.insert(*t, outcome);
+                }
+            }
+            self.shared.published.notify_all();
+            // Let the acknowledgements that queued up behind this transaction
+            // in, so the next round takes them all at once.
+            MutexGuard::bump(&mut guard);
+        }
+        guard.publishing = false;
+        // Woken waiters find their outcome or, if the leader role is free,
+        // lead the next round themselves.
+        self.shared.published.notify_all();
+        mine.unwrap_or_else(|| Ok(Publication::default()))
     }
 
     /// True iff this exact manifest is pending; a different manifest pending
@@ -934,6 +1069,7 @@ impl Directory {
             evictions: inner.evictions,
             invalid_rows: inner.invalid_rows,
             durability_fsyncs: self.syncer.as_ref().map_or(0, |s| s.fsyncs()),
+            publish_transactions: inner.publish_transactions,
         })
     }
 
@@ -948,6 +1084,7 @@ impl Directory {
     /// error is returned).
     pub fn close(&self) -> Result<()> {
         let result = self.shared.inner.lock().shutdown();
+        self.shared.published.notify_all();
         self.stop_flusher();
         result
     }
@@ -966,6 +1103,7 @@ impl Drop for Directory {
         if let Err(e) = self.shared.inner.lock().shutdown() {
             log::warn!("checkpoint directory: closing on drop failed: {e}");
         }
+        self.shared.published.notify_all();
         self.stop_flusher();
     }
 }
@@ -1302,136 +1440,194 @@ impl Inner {
         Ok(())
     }
 
-    /// Publishes a pending generation whose ranks are complete.
-    fn publish(&mut self, generation: &str) -> Result<Publication> {
-        let Some(p) = self.pending.get(generation) else {
-            return Ok(Publication::default());
-        };
-        let m = &p.manifest;
-        let prefix = m.prefix();
-        let bucket = bucket_fp(
-            prefix.namespace().as_bytes(),
-            prefix.start_tokens(),
-            prefix.prefix_hash(),
-        );
-        let tail_len = to_u32_len(prefix.tail_tokens().len());
-        let entry = Entry {
-            bucket,
-            fp: entry_fp(bucket, tail_len, p.tail_hash),
-            tail_len,
-            payload_bytes: p.payload_bytes,
-            durable: false,
-        };
-        let stamp = self.counter + 1;
+    /// Publishes queued generations: all in one transaction, or, if that
+    /// fails, one transaction each (so a failure is charged only to its own
+    /// generation). One outcome per input, in order.
+    fn publish_all(&mut self, batch: &[&str]) -> Vec<Result<Publication>> {
+        match self.publish_batch(batch) {
+            Ok(done) => done.into_iter().map(Ok).collect(),
+            Err(e) if batch.len() == 1 => {
+                self.unqueue(batch[0]);
+                vec![Err(e)]
+            }
+            Err(_) => batch
+                .iter()
+                .map(|&g| {
+                    self.publish_batch(&[g])
+                        .map(|mut one| one.pop().unwrap_or_default())
+                        .inspect_err(|_| self.unqueue(g))
+                })
+                .collect(),
+        }
+    }
+
+    /// A failed publication leaves its generation pending with its ranks.
+    fn unqueue(&mut self, generation: &str) {
+        if let Some(p) = self.pending.get_mut(generation) {
+            p.queued = false;
+        }
+    }
+
+    /// Publishes queued generations, in order, in one transaction, each as
+    /// if it had its own: remove the previous generation of the same exact
+    /// prefix, insert the `checkpoints` and `checkpoint_tails` rows, delete
+    /// capacity victims (a later generation of the batch may replace or evict
+    /// an earlier one); recency stamps are written first. Memory changes only
+    /// after the commit. A generation no longer queued (aborted meanwhile)
+    /// gets `published = false`. On error nothing is published.
+    fn publish_batch(&mut self, batch: &[&str]) -> Result<Vec<Publication>> {
         let max_entries = self.config.max_entries;
         let max_bytes = self.config.max_bytes;
-        // Every stored row with this exact prefix has this fingerprint in the
-        // accelerator (same bucket, length and tail hash), so without a
-        // candidate there is nothing to replace and no need to probe.
-        let may_replace = !self.lookup.rows(entry.fp).is_empty();
+        let over = |count: u64, bytes: u64| {
+            count > max_entries || max_bytes.is_some_and(|limit| bytes > limit)
+        };
         let conn = self.conn.as_mut().ok_or(Error::Closed(CLOSED))?;
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .db()?;
         write_stamps(&tx, &self.dirty)?;
-        let tail_blob = p.tail_text.as_bytes();
-        let start = i64::try_from(prefix.start_tokens()).map_err(|_| {
-            Error::invalid("checkpoint prefix start_tokens exceeds the wire limits")
-        })?;
-        let replaced: Option<(i64, String)> = if may_replace {
-            tx.prepare_cached(SQL_ROW_BY_PREFIX)
-                .db()?
-                .query_row(
-                    params![prefix.namespace(), start, prefix.prefix_hash(), tail_blob],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .optional()
-                .db()?
-        } else {
-            None
-        };
-        if let Some((rowid, old)) = &replaced {
-            delete_row(&tx, *rowid, old)?;
-        }
-        let num_tokens = i64::try_from(prefix.num_tokens())
-            .map_err(|_| Error::invalid("checkpoint prefix exceeds the wire limits"))?;
-        tx.prepare_cached(SQL_INSERT_ROW)
-            .db()?
-            .execute(params![
-                prefix.namespace(),
-                start,
+        let mut totals = BatchTotals::new(&self.lookup);
+        let mut stamp = self.counter;
+        let mut staged: Vec<Option<Staged>> = Vec::with_capacity(batch.len());
+        for &generation in batch {
+            let Some(p) = self.pending.get(generation).filter(|p| p.queued) else {
+                staged.push(None);
+                continue;
+            };
+            let m = &p.manifest;
+            let prefix = m.prefix();
+            let bucket = bucket_fp(
+                prefix.namespace().as_bytes(),
+                prefix.start_tokens(),
                 prefix.prefix_hash(),
-                tail_blob,
-                num_tokens,
-                generation,
-                m.world_size(),
-                m.payload(),
-                stamp
-            ])
-            .db()?;
-        let rowid = tx.last_insert_rowid();
-        tx.prepare_cached(SQL_INSERT_TAIL)
-            .db()?
-            .execute(params![
-                generation,
-                prefix.namespace(),
-                start,
-                prefix.prefix_hash(),
-                p.tail_hash as i64,
+            );
+            let tail_len = to_u32_len(prefix.tail_tokens().len());
+            let entry = Entry {
+                bucket,
+                fp: entry_fp(bucket, tail_len, p.tail_hash),
                 tail_len,
-                i64::try_from(p.payload_bytes).unwrap_or(i64::MAX)
-            ])
-            .db()?;
-
-        // Capacity, from in-memory totals; victims lowest access_order first.
-        let replaced_entry = replaced.as_ref().and_then(|(r, _)| self.lookup.get(*r));
-        let mut count = self.lookup.len() + 1 - u64::from(replaced_entry.is_some());
-        let mut bytes = (self.lookup.bytes() + p.payload_bytes)
-            .saturating_sub(replaced_entry.map_or(0, |e| e.payload_bytes));
-        let over = |count: u64, bytes: u64| {
-            count > max_entries || max_bytes.is_some_and(|limit| bytes > limit)
-        };
-        let mut victims: Vec<(i64, String)> = Vec::new();
-        if over(count, bytes) {
-            let mut stmt = tx.prepare_cached(SQL_LRU).db()?;
-            let mut rows = stmt.query([]).db()?;
-            while over(count, bytes) {
-                let Some(row) = rows.next().db()? else { break };
-                let victim: i64 = row.get(0).db()?;
-                if victim == rowid {
-                    continue;
-                }
-                if let Some(e) = self.lookup.get(victim) {
-                    count -= 1;
-                    bytes = bytes.saturating_sub(e.payload_bytes);
-                }
-                victims.push((victim, row.get(1).db()?));
+                payload_bytes: p.payload_bytes,
+                durable: false,
+            };
+            stamp += 1;
+            // Every stored row with this exact prefix has this fingerprint
+            // (same bucket, length and tail hash), so without a candidate
+            // there is nothing to replace and no need to probe.
+            let may_replace = !self.lookup.rows(entry.fp).is_empty()
+                || totals.added.values().any(|e| e.fp == entry.fp);
+            let tail_blob = p.tail_text.as_bytes();
+            let start = i64::try_from(prefix.start_tokens()).map_err(|_| {
+                Error::invalid("checkpoint prefix start_tokens exceeds the wire limits")
+            })?;
+            let replaced: Option<(i64, String)> = if may_replace {
+                tx.prepare_cached(SQL_ROW_BY_PREFIX)
+                    .db()?
+                    .query_row(
+                        params![prefix.namespace(), start, prefix.prefix_hash(), tail_blob],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )
+                    .optional()
+                    .db()?
+            } else {
+                None
+            };
+            if let Some((rowid, old)) = &replaced {
+                delete_row(&tx, *rowid, old)?;
+                totals.gone(&self.lookup, *rowid);
             }
-        }
-        for (victim, old) in &victims {
-            delete_row(&tx, *victim, old)?;
+            let num_tokens = i64::try_from(prefix.num_tokens())
+                .map_err(|_| Error::invalid("checkpoint prefix exceeds the wire limits"))?;
+            tx.prepare_cached(SQL_INSERT_ROW)
+                .db()?
+                .execute(params![
+                    prefix.namespace(),
+                    start,
+                    prefix.prefix_hash(),
+                    tail_blob,
+                    num_tokens,
+                    generation,
+                    m.world_size(),
+                    m.payload(),
+                    stamp
+                ])
+                .db()?;
+            let rowid = tx.last_insert_rowid();
+            tx.prepare_cached(SQL_INSERT_TAIL)
+                .db()?
+                .execute(params![
+                    generation,
+                    prefix.namespace(),
+                    start,
+                    prefix.prefix_hash(),
+                    p.tail_hash as i64,
+                    tail_len,
+                    i64::try_from(p.payload_bytes).unwrap_or(i64::MAX)
+                ])
+                .db()?;
+            // Capacity, from the running totals (with the row just inserted);
+            // victims lowest access_order first, never that row.
+            let (mut left, mut left_bytes) = (
+                totals.count + 1,
+                totals.bytes.saturating_add(p.payload_bytes),
+            );
+            let mut victims: Vec<(i64, String)> = Vec::new();
+            if over(left, left_bytes) {
+                let mut stmt = tx.prepare_cached(SQL_LRU).db()?;
+                let mut rows = stmt.query([]).db()?;
+                while over(left, left_bytes) {
+                    let Some(row) = rows.next().db()? else { break };
+                    let victim: i64 = row.get(0).db()?;
+                    if victim == rowid {
+                        continue;
+                    }
+                    if let Some(e) = totals.entry(&self.lookup, victim) {
+                        left -= 1;
+                        left_bytes = left_bytes.saturating_sub(e.payload_bytes);
+                    }
+                    victims.push((victim, row.get(1).db()?));
+                }
+            }
+            for (victim, old) in &victims {
+                delete_row(&tx, *victim, old)?;
+                totals.gone(&self.lookup, *victim);
+            }
+            totals.add(rowid, entry);
+            staged.push(Some(Staged {
+                generation,
+                replaced,
+                victims,
+            }));
         }
         tx.commit().db()?;
         self.committed();
+        self.publish_transactions += 1;
 
-        // Committed: now change memory.
+        // Committed: now change memory (deletions first: a rowid freed by a
+        // deletion may have been reused by an insertion).
         self.counter = stamp;
         self.dirty.clear();
         self.dirty_since = None;
-        if let Some((old_rowid, _)) = &replaced {
-            self.forget(*old_rowid);
+        for rowid in totals.removed {
+            self.forget(rowid);
         }
-        for (victim, _) in &victims {
-            self.forget(*victim);
+        for (rowid, entry) in totals.added {
+            self.lookup.insert(rowid, entry);
         }
-        self.evictions += victims.len() as u64;
-        self.lookup.insert(rowid, entry);
-        self.drop_pending(generation);
-        Ok(Publication {
-            published: true,
-            replaced: replaced.map(|(_, g)| g),
-            evicted: victims.into_iter().map(|(_, g)| g).collect(),
-        })
+        Ok(staged
+            .into_iter()
+            .map(|s| match s {
+                None => Publication::default(),
+                Some(s) => {
+                    self.evictions += s.victims.len() as u64;
+                    self.drop_pending(s.generation);
+                    Publication {
+                        published: true,
+                        replaced: s.replaced.map(|(_, g)| g),
+                        evicted: s.victims.into_iter().map(|(_, g)| g).collect(),
+                    }
+                }
+            })
+            .collect())
     }
 
     /// Hands out a fresh recency stamp to a found row (memory only).
