@@ -360,6 +360,50 @@ fn publication_phase(
     }
 }
 
+/// Rates of the concurrent phase.
+struct Concurrent {
+    single: f64,
+    threads: f64,
+    per_transaction: f64,
+}
+
+/// Publications of `range`: each batch of 200 is 100 published by this
+/// thread, then 100 by 4 threads at once (25 each).
+fn concurrent_phase(dir: &Directory, range: std::ops::Range<u64>) -> Concurrent {
+    let (mut single_time, mut threads_time) = (Duration::ZERO, Duration::ZERO);
+    let (mut single_n, mut threads_n, mut threads_tx) = (0u64, 0u64, 0u64);
+    let ids: Vec<u64> = range.collect();
+    for batch in ids.chunks(200) {
+        let fresh: Vec<Manifest> = batch.iter().map(|&i| entry(i)).collect();
+        let (one, many) = fresh.split_at(fresh.len() / 2);
+        let started = Instant::now();
+        for m in one {
+            publish(dir, m);
+        }
+        single_time += started.elapsed();
+        single_n += one.len() as u64;
+        let before = dir.status().expect("status").publish_transactions;
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                s.spawn(move || {
+                    for m in many.iter().skip(t).step_by(4) {
+                        publish(dir, m);
+                    }
+                });
+            }
+        });
+        threads_time += started.elapsed();
+        threads_n += many.len() as u64;
+        threads_tx += dir.status().expect("status").publish_transactions - before;
+    }
+    Concurrent {
+        single: single_n as f64 / single_time.as_secs_f64(),
+        threads: threads_n as f64 / threads_time.as_secs_f64(),
+        per_transaction: threads_n as f64 / threads_tx.max(1) as f64,
+    }
+}
+
 /// Marks `generations` durable as one caller would: one batch, one call.
 fn mark_batch(dir: &Directory, generations: &[String]) {
     let marked = dir.mark_durable(generations).expect("durable");
@@ -497,17 +541,22 @@ fn run(n: u64, measured: u64, lookups: usize, keep: Option<&Path>) -> Figures {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
     bulk_reference_file(&path, n - measured);
+    // Room for the concurrent phase too: this directory never evicts.
     let config = DirectoryConfig {
-        max_entries: n,
+        max_entries: n + measured,
         ..DirectoryConfig::default()
     };
     let started = Instant::now();
-    let dir = Directory::open(Some(&path), config.clone()).expect("open directory");
+    let dir = Directory::open(Some(&path), config).expect("open directory");
     let open_time = started.elapsed();
     // The at-capacity directory: N generations, capacity N.
     let at_path = tmp.path().join("at-capacity.sqlite3");
     bulk_reference_file(&at_path, n);
-    let at_dir = Directory::open(Some(&at_path), config).expect("open directory");
+    let at_config = DirectoryConfig {
+        max_entries: n,
+        ..DirectoryConfig::default()
+    };
+    let at_dir = Directory::open(Some(&at_path), at_config).expect("open directory");
 
     // The last `measured` publications up to N, and as many at capacity.
     let rates = publication_phase(&dir, &at_dir, &raw, (n - measured)..n, n..n + measured);
@@ -576,6 +625,11 @@ fn run(n: u64, measured: u64, lookups: usize, keep: Option<&Path>) -> Figures {
     }
     let find_total = started.elapsed();
     drop(raw_stmt);
+
+    // Concurrent publishers (several engines): batches of 100 published by
+    // one thread alternate with batches of 100 published by 4 threads.
+    let conc = concurrent_phase(&dir, 3 * n..3 * n + measured);
+
     find_lat.sort();
     raw_lat.sort();
     let (find_p50, find_p99) = (percentile(&find_lat, 0.5), percentile(&find_lat, 0.99));
@@ -639,6 +693,13 @@ fn run(n: u64, measured: u64, lookups: usize, keep: Option<&Path>) -> Figures {
         rates.at,
         rates.at / rates.below,
         rates.at / rates.same_bare
+    );
+    println!(
+        "  directory publication, 4 threads at once        : {:9.0} /s  \
+         (x one thread {:.2}; {:.1} publications per transaction)",
+        conc.threads,
+        conc.threads / conc.single,
+        conc.per_transaction
     );
     println!("  durable marking, 1 generation per call          : {durable_single:9.0} gen/s");
     println!(
