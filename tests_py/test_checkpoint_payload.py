@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import lmcache_rc as rc
 from lmcache_rc import errors
-from lmcache_rc.scheduler import _canonical  # the bridge's own payload writer
+from lmcache_rc.vllm.common import canonical as _canonical  # the bridge's own payload writer
 
 KEY = "ab" * 32
 
