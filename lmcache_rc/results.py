@@ -143,6 +143,10 @@ class DirectoryStatus(TypedDict):
     dirty_recency: int
     evictions: int
     invalid_rows: int
+    durability_fsyncs: int
+    """Synced log commits that made durable flags durable (group commits)."""
+    publish_transactions: int
+    """Transactions that published generations (shared by concurrent publishers)."""
 
 
 class ListedGeneration(TypedDict):

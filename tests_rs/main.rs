@@ -10,6 +10,7 @@ mod http_admin;
 mod identity_properties;
 mod identity_vectors;
 mod index_crash;
+mod index_durability;
 mod index_faults;
 mod index_format;
 mod index_model;

@@ -1,6 +1,9 @@
 //! A process running the service is killed (SIGKILL) in the middle of
-//! storing; after a restart only complete, verified generations are listed
-//! (I1, I8) and every one restores byte-exact for every rank (spec §10).
+//! storing — while publishing, writing L2 objects or marking generations
+//! durable; after a restart only complete, verified generations are listed
+//! (I1, I8), every generation whose durable flag reached the directory is
+//! among them (its objects were fsynced before the flag was committed), and
+//! every listed one restores byte-exact for every rank (spec §10).
 //!
 //! The child is this test binary re-invoked with `LMRC_CRASH_CHILD` set, so
 //! that `child_loop` runs a store loop until it is killed.
@@ -10,6 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::index::{Directory, DirectoryConfig};
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 
@@ -80,6 +84,32 @@ fn child_loop() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
+/// Generations whose durable flag is set in the directory file (opened on its
+/// own, before the service reconciles it).
+fn durable_flags(index: &Path) -> Vec<String> {
+    if !index.exists() {
+        return Vec::new();
+    }
+    let dir = Directory::open(Some(index), DirectoryConfig::default()).unwrap();
+    let mut flagged = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = dir.list(after.as_deref(), 256).unwrap();
+        flagged.extend(
+            page.generations
+                .into_iter()
+                .filter(|l| l.durable)
+                .map(|l| l.manifest.generation().to_owned()),
+        );
+        match page.next_after {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    dir.close().unwrap();
+    flagged
+}
+
 /// xorshift64 for the kill delays (the seed is printed).
 fn next(x: &mut u64) -> u64 {
     *x ^= *x << 13;
@@ -98,8 +128,9 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         .as_nanos() as u64
         | 1;
     println!("service_crash seed {seed}");
-    let rounds = 10u32;
+    let rounds = 24u32;
     let mut total_listed = Vec::new();
+    let mut flagged_total = 0;
     for round in 0..rounds {
         let shm = shm_name(&format!("crash{round}"));
         let delay = Duration::from_millis(20 + next(&mut seed) % 181);
@@ -124,6 +155,10 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
             Err(e) => panic!("unlink stale segment {shm}: {e}"),
         }
 
+        // The durable flags the killed child committed, read before the
+        // service reconciles anything.
+        let flagged = durable_flags(&dir.path().join("index.sqlite"));
+
         // Restart on the same directory and L2 files.
         let svc =
             CheckpointService::open(crash_config(dir.path(), shm_name("crash-parent"))).unwrap();
@@ -144,6 +179,14 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
             listed.len() as u64,
             "only generations the children stored are listed"
         );
+        let kept: std::collections::BTreeSet<&str> =
+            listed.iter().map(Manifest::generation).collect();
+        for g in &flagged {
+            assert!(
+                kept.contains(g.as_str()),
+                "round {round}: {g} was marked durable but retired at restart"
+            );
+        }
         // Nothing but the listed generations' objects is on disk, and this
         // round's generations restore exactly (earlier rounds were checked
         // after their own restart, and all are checked again at the end).
@@ -156,10 +199,12 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         settle(&svc);
         assert_idle(&svc);
         println!(
-            "service_crash round {round}: killed after {delay:?}, {} generations listed, \
-             {retired} incomplete retired at restart",
-            listed.len()
+            "service_crash round {round}: killed after {delay:?}, {} generations listed \
+             ({} flagged durable), {retired} incomplete retired at restart",
+            listed.len(),
+            flagged.len()
         );
+        flagged_total += flagged.len();
         total_listed = listed;
         svc.close().unwrap();
     }
@@ -167,6 +212,7 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         !total_listed.is_empty(),
         "no child stored anything before its kill"
     );
+    assert!(flagged_total > 0, "no child marked anything durable");
     let svc = CheckpointService::open(crash_config(dir.path(), shm_name("crash-final"))).unwrap();
     assert_eq!(stat(&svc, "generations"), total_listed.len() as u64);
     for m in &total_listed {

@@ -225,6 +225,12 @@ pub(super) fn describe(path: Option<&Path>) -> String {
     }
 }
 
+/// Log pages past which the main connection checkpoints by itself (the
+/// background thread normally checkpoints long before: about 2,000 pages).
+const AUTOCHECKPOINT_PAGES: u32 = 16_384;
+/// Size the write-ahead log file is cut back to when SQLite restarts it.
+const JOURNAL_SIZE_LIMIT: u64 = 64 << 20;
+
 /// Opens the connection, refuses unknown formats and sets the journal.
 pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
     let name = describe(path);
@@ -261,10 +267,19 @@ pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
             )));
         }
     }
-    // FULL: a commit is on disk when it returns. The page cache (32 MiB at
+    // NORMAL: a commit appends to the write-ahead log without an fsync; the
+    // operations that promise durability sync the log themselves, in group
+    // commits (`durability.rs`). Checkpoints still sync (log before copying,
+    // database after); they run on the background thread's own connection,
+    // and this one checkpoints only past AUTOCHECKPOINT_PAGES, a safety bound
+    // for a background thread that cannot keep up. The page cache (32 MiB at
     // most) keeps the index pages of a large directory in memory.
-    conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA cache_size=-32768")
-        .map_err(not_db)?;
+    conn.execute_batch(&format!(
+        "PRAGMA synchronous=NORMAL; PRAGMA cache_size=-32768; \
+         PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}; \
+         PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}"
+    ))
+    .map_err(not_db)?;
     conn.busy_timeout(std::time::Duration::from_secs(10)).db()?;
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
@@ -459,6 +474,25 @@ pub(super) fn reconcile(conn: &mut Connection, hook: Option<fn(u64) -> u64>) -> 
     }
     tx.commit().db()?;
     Ok(report)
+}
+
+/// Opens the background thread's connection to a file already opened (and
+/// so in WAL mode) by [`open_connection`]; it runs passive checkpoints only.
+pub(super) fn open_checkpointer(path: &Path) -> Result<Connection> {
+    let name = describe(Some(path));
+    let conn =
+        Connection::open(path).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?;
+    // Checkpoints sync the log before copying and the database after.
+    conn.execute_batch("PRAGMA synchronous=NORMAL").db()?;
+    conn.busy_timeout(std::time::Duration::from_secs(1)).db()?;
+    Ok(conn)
+}
+
+/// Copies as much of the write-ahead log into the database as it can
+/// without waiting for readers or writers.
+pub(super) fn checkpoint_passive(conn: &Connection) -> Result<()> {
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+        .db()
 }
 
 /// Copies the write-ahead log into the database and truncates it.

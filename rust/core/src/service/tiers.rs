@@ -174,9 +174,14 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
             log::error!("retiring {} generation(s) failed: {e}", names.len());
         }
     }
-    for g in durable {
-        if let Err(e) = inner.dir.set_durable(&g, true) {
-            log::warn!("marking {g} durable failed: {e}");
+    if !durable.is_empty() {
+        // Every generation that became durable since the last round, in one
+        // synced directory transaction (group commit: index/durability.rs).
+        if let Err(e) = inner.dir.mark_durable(&durable) {
+            log::warn!(
+                "marking {} generation(s) durable failed: {e}",
+                durable.len()
+            );
         }
     }
     if let Some(l2) = &inner.l2 {
