@@ -967,7 +967,7 @@ const MAX_FDS: usize = 4;
 /// [`read_frame`] straight from a Unix socket (`recvmsg`), collecting the
 /// descriptors that arrive with the frame's bytes (close-on-exec). Reads
 /// exactly one frame, never a byte of the next. Descriptors beyond
-/// [`MAX_FDS`] per read are closed; ancillary data the kernel had to cut
+/// four per read are closed; ancillary data the kernel had to cut
 /// (`MSG_CTRUNC`) is an I/O error.
 pub fn read_frame_with_fds(
     stream: &std::os::unix::net::UnixStream,

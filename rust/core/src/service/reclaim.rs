@@ -44,7 +44,8 @@ use crate::peer::{Peer, PeerKey};
 /// How often the sweep looks for holders that are gone.
 pub const SWEEP_EVERY: Duration = Duration::from_millis(200);
 
-/// Who holds a lease (see the [module docs](self)).
+/// Who holds a lease: a process whose leases are reclaimed once it is gone,
+/// or nobody the service can watch.
 #[derive(Debug, Clone)]
 pub enum Holder {
     /// Nobody the service can watch (in-process callers, a peer whose
