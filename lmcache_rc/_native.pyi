@@ -48,7 +48,6 @@ __all__ = [
     "checkpoint_namespace",
     "default_l1_bytes",
     "default_socket_path",
-    "shm_name_for",
 ]
 
 _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -65,7 +64,6 @@ def _error_table() -> list[tuple[str, str, list[str], str]]: ...
 def _log_for_test(level: str, message: str) -> None: ...
 def default_socket_path() -> str: ...
 def default_l1_bytes() -> int: ...
-def shm_name_for(socket: str | os.PathLike[str]) -> str: ...
 
 _Path: TypeAlias = str | os.PathLike[str]
 
@@ -74,7 +72,7 @@ class ServerConfig:
     """Every setting of a sidecar; see ``lmcache_rc.config``."""
 
     socket: str
-    shm_name: str
+    shm_name: str | None
     l1_bytes: int
     checkpoint_index_path: str | None
     l2_path: str | None
@@ -260,6 +258,8 @@ class Lease:
     def lease_id(self) -> str | None: ...
     @property
     def reason(self) -> str | None: ...
+    @property
+    def pool_id(self) -> str | None: ...
     @property
     def slots(self) -> tuple[tuple[tuple[int, int] | None, ...], ...]: ...
 

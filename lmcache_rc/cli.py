@@ -144,7 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = rc.Server.start(config, temp_socket=False)
     caps = rc.Client(server.socket_path).capabilities()
     print(f"  socket      {server.socket_path}", flush=True)
-    print(f"  shm pool    {caps['shm_name']} ({caps['pool_size']} bytes)", flush=True)
+    print(f"  shm pool    memfd {caps['pool_id']} ({caps['pool_size']} bytes)", flush=True)
     print(f"  directory   {config.checkpoint_index_path or 'in memory (not durable)'}", flush=True)
     print(f"  l2          {config.l2_path or 'none'}", flush=True)
     if server.http_url:

@@ -26,11 +26,13 @@ __all__ = [
 
 
 class Capabilities(TypedDict):
-    """What a client needs to map the sidecar's pool (``capabilities()``)."""
+    """What a client needs to map the sidecar's pool (``capabilities()``): the
+    pool itself is the descriptor handed over at the connection's handshake;
+    ``pool_id`` changes at every sidecar start."""
 
     format_version: int
     protocol_version: int
-    shm_name: str
+    pool_id: str
     pool_size: int
     durable_index: bool
 
@@ -83,6 +85,8 @@ class ServiceStatus(TypedDict):
     reclaimed_objects: int
     restart_retired: int
     clears: int
+    reclaimed_store_leases: int
+    reclaimed_retrieve_leases: int
     misses: dict[str, int]
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,9 +28,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def start_sidecar(tmp_path: Path, shm_name: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """Runs ``lmcache-rc serve`` on durable paths under tmp_path until "ready"."""
-    socket = str(tmp_path / "side.sock")
+def start_sidecar(
+    tmp_path: Path, *extra: str, name: str = "side"
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """Runs ``lmcache-rc serve`` on durable paths under tmp_path (socket
+    ``<name>.sock``) until "ready"; ``extra`` flags are appended."""
+    socket = str(tmp_path / f"{name}.sock")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -40,16 +42,15 @@ def start_sidecar(tmp_path: Path, shm_name: str) -> tuple[subprocess.Popen[str],
             "serve",
             "--socket",
             socket,
-            "--shm-name",
-            shm_name,
             "--l1-bytes",
             "8M",
             "--checkpoint-index-path",
-            str(tmp_path / "dir.sqlite"),
+            str(tmp_path / f"{name}.sqlite"),
             "--l2-path",
-            str(tmp_path / "l2"),
+            str(tmp_path / f"{name}-l2"),
             "--http-port",
             "0",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -71,7 +72,7 @@ def start_sidecar(tmp_path: Path, shm_name: str) -> tuple[subprocess.Popen[str],
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
-    proc, lines = start_sidecar(tmp_path, f"lmrc-cli-{os.getpid()}-{time.monotonic_ns()}")
+    proc, lines = start_sidecar(tmp_path)
     yield proc, str(tmp_path / "side.sock"), lines
     if proc.poll() is None:
         proc.kill()
@@ -142,8 +143,7 @@ def test_bad_flags_exit_2() -> None:
 def test_durable_generations_restore_after_the_sidecar_restarts(
     tmp_path: Path, how: signal.Signals
 ) -> None:
-    shm = f"lmrc-restart-{os.getpid()}-{time.monotonic_ns()}"
-    proc, _ = start_sidecar(tmp_path, shm)
+    proc, _ = start_sidecar(tmp_path)
     socket = str(tmp_path / "side.sock")
     client = rc.Client(socket)
     m, roots = make_manifest(list(range(80)), world=2)
@@ -156,10 +156,8 @@ def test_durable_generations_restore_after_the_sidecar_restarts(
         time.sleep(0.01)
     proc.send_signal(how)
     proc.wait(timeout=60)
-    if how == signal.SIGKILL:
-        # A killed server cannot unlink its pool; the next one replaces it.
-        assert Path("/dev/shm", shm).exists()
-    proc2, _ = start_sidecar(tmp_path, shm)
+    # A killed server's lock went with it: the next one starts on its socket.
+    proc2, _ = start_sidecar(tmp_path)
     try:
         assert client.find(roots.roots) == m, "the client reconnected to the new server"
         assert restore_rank(client, m, 0) and restore_rank(client, m, 1)
@@ -170,4 +168,3 @@ def test_durable_generations_restore_after_the_sidecar_restarts(
     finally:
         proc2.send_signal(signal.SIGTERM)
         assert proc2.wait(timeout=60) == 0
-    assert not Path("/dev/shm", shm).exists()

@@ -32,6 +32,7 @@ mod service_faults;
 mod service_lease_rules;
 mod service_overlapping_stores;
 mod service_races;
+mod service_reclaim;
 mod service_restart;
 mod service_scenarios;
 mod service_write_once;

@@ -51,15 +51,31 @@ fn socket_is_mode_0600_in_a_new_directory_of_mode_0700() {
             .file_type()
             .is_socket()
     );
-    // No temporary bind name is left behind.
-    let entries: Vec<_> = std::fs::read_dir(socket.parent().unwrap())
+    // No temporary bind name is left behind; the instance lock is 0600.
+    let mut entries: Vec<_> = std::fs::read_dir(socket.parent().unwrap())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
-    assert_eq!(entries, vec![std::ffi::OsString::from("s.sock")]);
+    entries.sort();
+    assert_eq!(
+        entries,
+        vec![
+            std::ffi::OsString::from("s.sock"),
+            std::ffi::OsString::from("s.sock.lock")
+        ]
+    );
+    assert_eq!(
+        mode(&socket.with_extension("sock.lock")),
+        0o600,
+        "lock file"
+    );
     let report = server.shutdown().unwrap();
     assert!(report.drained && report.close_error.is_none(), "{report:?}");
     assert!(!socket.exists(), "shutdown removes the socket");
+    assert!(
+        !socket.with_extension("sock.lock").exists(),
+        "and its lock file"
+    );
 }
 
 #[test]
@@ -88,10 +104,8 @@ fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
     let rig = rig("live");
     let c = client(&rig.socket);
     let caps = c.capabilities().unwrap();
-    // A second server on the same socket refuses before touching any pool.
-    let mut other = service_config("live2");
-    other.shm_name = caps.shm_name.clone();
-    let e = Server::open(other, ServerConfig::new(&rig.socket)).unwrap_err();
+    // A second server on the same socket refuses before opening a service.
+    let e = Server::open(service_config("live2"), ServerConfig::new(&rig.socket)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Io, "{e}");
     assert!(e.to_string().contains("another lmcache-rc server"), "{e}");
     assert_eq!(
@@ -100,7 +114,7 @@ fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
         "the live server is untouched"
     );
     let pool = map_pool(&c);
-    assert!(pool.is_current(), "its pool was not replaced");
+    assert_eq!(pool.id(), caps.pool_id, "its pool was not replaced");
 
     // A stale socket file (nothing listening) is replaced.
     let dir = tempfile::tempdir().unwrap();
@@ -110,6 +124,45 @@ fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
     let server = Server::open(service_config("stale"), ServerConfig::new(&stale)).unwrap();
     client(&stale).status().unwrap();
     drop(server);
+}
+
+#[test]
+fn a_server_holding_the_socket_lock_keeps_a_second_from_starting_until_it_is_gone() {
+    // A server still starting up (no socket yet, the lock taken) is seen by
+    // its lock: a racing second start refuses instead of taking the socket.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("race.sock");
+    let lock_path = dir.path().join("race.sock.lock");
+    let held = std::fs::File::create(&lock_path).unwrap();
+    rustix::fs::flock(&held, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let e = Server::open(service_config("race"), ServerConfig::new(&socket)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    assert!(
+        e.to_string()
+            .contains("another lmcache-rc server is running"),
+        "{e}"
+    );
+    assert!(!socket.exists(), "the refused server bound nothing");
+    // The holder dies (its lock goes with it): the lock file it left is reused.
+    drop(held);
+    assert!(lock_path.exists());
+    let server = Server::open(service_config("race2"), ServerConfig::new(&socket)).unwrap();
+    client(&socket).status().unwrap();
+    // A lock path that is a symlink is never followed.
+    let other = dir.path().join("elsewhere.sock");
+    std::os::unix::fs::symlink(
+        dir.path().join("target"),
+        dir.path().join("elsewhere.sock.lock"),
+    )
+    .unwrap();
+    let e = Server::open(service_config("link"), ServerConfig::new(&other)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    assert!(!dir.path().join("target").exists());
+    server.shutdown().unwrap();
+    assert!(
+        !lock_path.exists(),
+        "a stopped server removes its lock file"
+    );
 }
 
 /// A client that keeps calling while a test misbehaves; counts successes

@@ -181,11 +181,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     assert_idle(&svc);
     svc.close().unwrap();
     drop(svc);
-    let svc = T::open(ServiceConfig {
-        shm_name: shm_name("cap-l2-reopen"),
-        ..cfg
-    })
-    .unwrap();
+    let svc = T::open(cfg).unwrap();
     restore_all(&svc, &b);
     assert_idle(&svc);
     svc.close().unwrap();

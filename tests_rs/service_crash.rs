@@ -48,9 +48,8 @@ fn crash_manifest(round: u32, i: u32) -> Manifest {
     build_manifest(&ns, &seq(round * 100_000, n), 2, &g, 2, "prompt")
 }
 
-fn crash_config(dir: &Path, shm: String) -> ServiceConfig {
+fn crash_config(dir: &Path) -> ServiceConfig {
     ServiceConfig {
-        shm_name: shm,
         l1_bytes: 8 << 20,
         retrieve_timeout: HANG_GUARD,
         ..durable_config("crash", dir)
@@ -64,11 +63,10 @@ fn child_loop() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let mut parts = spec.splitn(3, '|');
+    let mut parts = spec.splitn(2, '|');
     let round: u32 = parts.next().unwrap().parse().unwrap();
-    let shm = parts.next().unwrap().to_string();
     let dir = PathBuf::from(parts.next().unwrap());
-    let svc = CheckpointService::open(crash_config(&dir, shm)).unwrap();
+    let svc = CheckpointService::open(crash_config(&dir)).unwrap();
     for i in 0..PER_ROUND {
         let m = crash_manifest(round, i);
         if !svc.begin(&m).unwrap() {
@@ -132,13 +130,12 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
     let mut total_listed = Vec::new();
     let mut flagged_total = 0;
     for round in 0..rounds {
-        let shm = shm_name(&format!("crash{round}"));
         let delay = Duration::from_millis(20 + next(&mut seed) % 181);
         let stderr_path = dir.path().join(format!("child-{round}.stderr"));
         let mut child = Command::new(&exe)
             .args(["--exact", "service_crash::child_loop", "--nocapture"])
             .args(["--test-threads", "1"])
-            .env(CHILD_ENV, format!("{round}|{shm}|{}", dir.path().display()))
+            .env(CHILD_ENV, format!("{round}|{}", dir.path().display()))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr_path).unwrap())
             .spawn()
@@ -149,19 +146,14 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         assert!(!status.success(), "the child was killed: {status:?}");
         let stderr = std::fs::read_to_string(&stderr_path).unwrap();
         assert!(!stderr.contains("panicked"), "the child failed: {stderr}");
-        // The killed child's pool segment is stale: remove it.
-        match rustix::shm::unlink(format!("/{shm}").as_str()) {
-            Ok(()) | Err(rustix::io::Errno::NOENT) => {}
-            Err(e) => panic!("unlink stale segment {shm}: {e}"),
-        }
+        // The killed child's pool had no name: nothing to clean up.
 
         // The durable flags the killed child committed, read before the
         // service reconciles anything.
         let flagged = durable_flags(&dir.path().join("index.sqlite"));
 
         // Restart on the same directory and L2 files.
-        let svc =
-            CheckpointService::open(crash_config(dir.path(), shm_name("crash-parent"))).unwrap();
+        let svc = CheckpointService::open(crash_config(dir.path())).unwrap();
         assert_eq!(stat(&svc, "pending"), 0, "pending work never survives");
         let retired = stat(&svc, "restart_retired");
         assert_eq!(stat(&svc, "l1_objects"), 0);
@@ -213,7 +205,7 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         "no child stored anything before its kill"
     );
     assert!(flagged_total > 0, "no child marked anything durable");
-    let svc = CheckpointService::open(crash_config(dir.path(), shm_name("crash-final"))).unwrap();
+    let svc = CheckpointService::open(crash_config(dir.path())).unwrap();
     assert_eq!(stat(&svc, "generations"), total_listed.len() as u64);
     for m in &total_listed {
         restore_all(&svc, m);

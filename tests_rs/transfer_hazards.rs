@@ -4,13 +4,14 @@
 //! pending poll whose cancel fails is never fatal, and `capabilities()` never
 //! waits for a remap in progress.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease, LeaseStatus};
+use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease};
 use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::transfer::{
     CopyBackend, CopyFailure, CopyPlan, CpuBackend, Direction, LeaseAnswer, LeaseApi, LeaseCall,
@@ -166,12 +167,7 @@ fn after(answer: Result<LeaseAnswer>, delays: u32) -> Box<dyn ReplyHandle> {
 }
 
 fn pending(id: &str) -> LeaseAnswer {
-    LeaseAnswer::Lease(Lease {
-        status: LeaseStatus::Pending,
-        lease_id: Some(id.to_string()),
-        slots: Vec::new(),
-        reason: None,
-    })
+    LeaseAnswer::Lease(Lease::pending(id.to_string()))
 }
 
 /// A retrieve whose lookup stays pending: begin answers pending at once,
@@ -181,8 +177,11 @@ struct LatePendingPoll {
 }
 
 impl LeaseApi for LatePendingPoll {
-    fn capabilities(&self) -> Result<Capabilities> {
-        Ok(CheckpointService::capabilities(&self.svc))
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        LeaseApi::share_pool(&self.svc)
+    }
+    fn pool_id(&self) -> Result<String> {
+        LeaseApi::pool_id(&self.svc)
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         match call {
@@ -197,18 +196,21 @@ impl LeaseApi for LatePendingPoll {
     }
 }
 
-/// Forwards to a service; `capabilities` is slow while `slow` is set.
+/// Forwards to a service; handing out the pool is slow while `slow` is set.
 struct SlowCaps {
     svc: Arc<CheckpointService>,
     slow: AtomicBool,
 }
 
 impl LeaseApi for SlowCaps {
-    fn capabilities(&self) -> Result<Capabilities> {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
         if self.slow.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_secs(2));
         }
-        Ok(CheckpointService::capabilities(&self.svc))
+        LeaseApi::share_pool(&self.svc)
+    }
+    fn pool_id(&self) -> Result<String> {
+        LeaseApi::pool_id(&self.svc)
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         self.svc.call(call)

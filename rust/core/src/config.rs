@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::rpc;
 use crate::service::ServiceConfig;
-use crate::store::shm::{default_l1_bytes, shm_name_for};
+use crate::store::shm::default_l1_bytes;
 
 /// What kind of value a setting holds (also how the CLI parses it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,8 +224,8 @@ macro_rules! sidecar_config {
                 },
             )*];
 
-            /// The defaults, before the pool name is derived.
-            fn unresolved() -> SidecarConfig {
+            /// The defaults.
+            fn defaults() -> SidecarConfig {
                 SidecarConfig {
                     $($name: $default,)*
                 }
@@ -277,11 +277,11 @@ sidecar_config! {
     /// Unix socket the sidecar listens on (created with mode 0600); default:
     /// `$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock`, else `/tmp/lmcache-rc-<uid>/`.
     socket: Path = rpc::default_socket_path();
-    /// POSIX shared-memory pool name; default: derived from the socket path,
-    /// so two servers on one host never collide.
+    /// Deprecated and ignored: the pool has no name any more (an anonymous
+    /// memfd handed to each client over the socket, nothing in /dev/shm).
     shm_name: Text optional = None;
     /// Size of the shared-memory (L1) pool in bytes, a multiple of 4096;
-    /// default: a quarter of the free space of /dev/shm, at most 1 GiB.
+    /// default: a quarter of the available memory, at most 1 GiB.
     l1_bytes: Bytes = default_l1_bytes();
     /// SQLite file of the durable directory; default: none (the directory
     /// lives in memory and is lost at exit).
@@ -321,29 +321,25 @@ pub const ENV_PREFIX: &str = "LMCACHE_RC_";
 
 impl Default for SidecarConfig {
     fn default() -> Self {
-        let mut config = SidecarConfig::unresolved();
-        config.resolve();
-        config
+        SidecarConfig::defaults()
     }
 }
 
 impl SidecarConfig {
-    /// The defaults with `values` set by name (None = absent), the pool
-    /// name derived from the socket unless given, validated.
+    /// The defaults with `values` set by name (None = absent), validated.
     pub fn from_values(
         values: impl IntoIterator<Item = (String, Option<FieldValue>)>,
     ) -> Result<SidecarConfig> {
-        let mut config = SidecarConfig::unresolved();
+        let mut config = SidecarConfig::defaults();
         for (name, value) in values {
             config.set(&name, value)?;
         }
-        config.resolve();
         config.validate()?;
         Ok(config)
     }
 
     /// The defaults, then every `LMCACHE_RC_<NAME>` environment variable,
-    /// then `overrides`; resolved and validated like [`Self::from_values`].
+    /// then `overrides`; validated like [`Self::from_values`].
     pub fn from_env(
         overrides: impl IntoIterator<Item = (String, Option<FieldValue>)>,
     ) -> Result<SidecarConfig> {
@@ -365,13 +361,6 @@ impl SidecarConfig {
         Self::from_values(values)
     }
 
-    /// Derives the pool name from the socket when none is set.
-    fn resolve(&mut self) {
-        if self.shm_name.is_none() {
-            self.shm_name = Some(shm_name_for(&self.socket));
-        }
-    }
-
     /// Refuses settings no server could start with.
     fn validate(&self) -> Result<()> {
         if self.l1_bytes == 0 || self.l1_bytes % 4096 != 0 {
@@ -383,17 +372,23 @@ impl SidecarConfig {
         Ok(())
     }
 
-    /// The pool name (derived from the socket when none was set).
-    pub fn shm_name(&self) -> String {
-        self.shm_name
-            .clone()
-            .unwrap_or_else(|| shm_name_for(&self.socket))
+    /// Why settings given are obsolete (each is ignored), for the caller
+    /// to warn about.
+    pub fn deprecations(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(name) = &self.shm_name {
+            out.push(format!(
+                "--shm-name / shm_name ({name:?}) is deprecated and ignored: the shared-memory \
+                 pool is an anonymous memfd handed to clients over the socket, so nothing is \
+                 named in /dev/shm"
+            ));
+        }
+        out
     }
 
     /// The service's part of the settings.
     pub fn service_config(&self) -> Result<ServiceConfig> {
         Ok(ServiceConfig {
-            shm_name: self.shm_name(),
             l1_bytes: self.l1_bytes,
             l2_path: self.l2_path.clone(),
             l2_bytes: self.l2_bytes,
@@ -412,21 +407,16 @@ impl SidecarConfig {
     /// layer. `temp_socket` chooses where it listens: None = in a fresh
     /// private temporary directory when the socket is the default one, else
     /// on the configured socket; false = always on the configured socket;
-    /// true = always in a fresh temporary directory. In a temporary
-    /// directory a pool name derived from the configured socket is derived
-    /// from the new socket instead, so embedded servers never collide with a
-    /// sidecar or with each other.
+    /// true = always in a fresh temporary directory, so embedded servers
+    /// never collide with a sidecar or with each other.
     pub fn server_configs(
         &self,
         temp_socket: Option<bool>,
     ) -> Result<(ServiceConfig, rpc::ServerConfig)> {
-        let mut service = self.service_config()?;
+        let service = self.service_config()?;
         let temp = temp_socket.unwrap_or_else(|| self.socket == rpc::default_socket_path());
         let mut server = if temp {
             let path = rpc::temp_socket_path()?;
-            if service.shm_name == shm_name_for(&self.socket) {
-                service.shm_name = shm_name_for(&path);
-            }
             let mut c = rpc::ServerConfig::new(path);
             c.remove_dir_on_stop = true;
             c
@@ -494,7 +484,13 @@ mod tests {
         let c = set("abandoned_after", None).unwrap();
         assert_eq!(c.abandoned_after, None);
         let c = set("socket", Some(FieldValue::Path("/tmp/x.sock".into()))).unwrap();
-        assert_eq!(c.shm_name(), shm_name_for(FsPath::new("/tmp/x.sock")));
+        assert!(c.deprecations().is_empty());
+        let c = set("shm_name", Some(FieldValue::Text("old".into()))).unwrap();
+        assert_eq!(
+            c.deprecations().len(),
+            1,
+            "an old pool name is accepted and ignored"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
+//! - [`peer`]: the local processes behind connections, and whether they live;
 //! - [`transfer`]: worker copies between a page pool and shared memory;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
@@ -25,6 +26,7 @@ pub mod identity;
 pub mod index;
 pub mod json;
 pub mod manifest;
+pub mod peer;
 pub mod protocol;
 pub mod rpc;
 pub mod service;

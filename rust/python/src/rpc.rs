@@ -61,21 +61,22 @@ impl PyClient {
         Ok(&self.inner.get()?.client)
     }
 
-    /// The pool mapped by the name and size the server announces; mapped
-    /// again when the server replaced it (a restart).
+    /// The pool the server handed over at the handshake, mapped; mapped
+    /// again when the server now serves another one (a restart).
     fn pool(&self, py: Python<'_>) -> PyResult<Arc<ShmPool>> {
         let parts = self.inner.get()?;
+        // No lock is held while waiting without the GIL.
+        let client = &parts.client;
+        let current = py.detach(|| client.pool_id()).py()?;
         if let Some(p) = lock(&parts.pool).as_ref() {
-            if p.is_current() {
+            if p.id() == current {
                 return Ok(p.clone());
             }
         }
-        // No lock is held while waiting without the GIL.
-        let client = &parts.client;
         let pool = py
             .detach(|| {
-                let caps = client.capabilities()?;
-                ShmPool::open(&caps.shm_name, caps.pool_size)
+                let (caps, fd) = client.share_pool()?;
+                ShmPool::from_fd(fd, &caps.pool_id, caps.pool_size)
             })
             .py()?;
         let pool = Arc::new(pool);
@@ -146,7 +147,7 @@ checkpoint_pymethods!(PyClient, api, {
 
     /// A writable zero-copy uint8 numpy array over `length` bytes of the SHM
     /// pool at `offset` (a lease slot), through this process's own mapping of
-    /// the pool (mapped by name on first use, never created or unlinked).
+    /// the pool (the descriptor the server handed over, mapped on first use).
     /// Only touch it while the lease is live.
     fn slot_array<'py>(
         &self,
@@ -159,8 +160,17 @@ checkpoint_pymethods!(PyClient, api, {
     }
 
     /// The slots of a lease as numpy arrays (None for pages not to copy).
+    /// A lease of another pool than the server's current one (it restarted)
+    /// is refused with InvalidInput ("replaced").
     fn lease_arrays<'py>(&self, py: Python<'py>, lease: &PyLease) -> PyResult<Bound<'py, PyList>> {
         let pool = self.pool(py)?;
+        if let Some(other) = lease.pool().filter(|id| *id != pool.id()) {
+            return Err(invalid(format!(
+                "the lease's slots are in pool {other}, which was replaced by {} (the server \
+                 restarted); nothing may be copied for it",
+                pool.id()
+            )));
+        }
         let out = PyList::empty(py);
         for group in lease.slot_groups() {
             let arrays = PyList::empty(py);
@@ -314,6 +324,9 @@ impl PyServer {
         temp_socket: Option<bool>,
     ) -> PyResult<PyServer> {
         let config = &config.inner;
+        for warning in config.deprecations() {
+            log::warn!("{warning}");
+        }
         let (service, rpc_config) = config.server_configs(temp_socket).py()?;
         let http_bind = config.http_bind().py()?;
         let drain = rpc_config.drain_timeout;

@@ -44,7 +44,7 @@ pub use types::{
 /// Slot/layout format version announced in capabilities.
 pub const FORMAT_VERSION: u32 = 1;
 /// RPC protocol version announced in capabilities and spoken on the wire.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Declares the operation set once: the blocking trait, its async twin with
 /// a ready-answer default per operation, and the list of operation names.
@@ -80,8 +80,8 @@ macro_rules! operations {
 }
 
 operations! {
-    /// Pool name and size, format and protocol versions, durability: what a
-    /// client needs to map the pool.
+    /// Pool id and size, format and protocol versions, durability: what a
+    /// client needs to map the pool it received at the handshake.
     fn capabilities / capabilities_async () -> Capabilities;
     /// The longest listed generation whose prefix is a whole-token prefix of
     /// the query (all roots of one token sequence). A candidate only: every

@@ -7,8 +7,9 @@
 //! [`FrameError`] or an [`Error::Protocol`], an invalid value (a prefix or
 //! manifest the core refuses) an [`Error::InvalidInput`].
 
-use std::io::{self, Read};
-use std::os::fd::AsFd;
+use std::io::{self, IoSlice, IoSliceMut, Read};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use serde::{Deserialize, Serialize};
 
@@ -24,8 +25,10 @@ use crate::protocol::{
 pub const MAGIC: [u8; 4] = *b"LMRC";
 /// The protocol version this build speaks (also announced in capabilities).
 pub const PROTOCOL_VERSION: u32 = crate::protocol::PROTOCOL_VERSION;
-/// The oldest protocol version this build speaks.
-pub const MIN_PROTOCOL_VERSION: u32 = 1;
+/// The oldest protocol version this build speaks. Version 2 hands the pool
+/// over as a descriptor with the welcome; version 1 (a pool opened by name)
+/// is no longer spoken.
+pub const MIN_PROTOCOL_VERSION: u32 = 2;
 /// Default limit of one frame's payload (requests and replies): 64 MiB.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Bytes of the length prefix.
@@ -114,7 +117,7 @@ impl TryFrom<WireManifest> for Manifest {
 /// refuses (InvalidInput) a lease call for a lease another rank obtained.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    /// 0 — pool name and size, versions, durability. Reply: `Capabilities`.
+    /// 0 — pool id and size, versions, durability. Reply: `Capabilities`.
     Capabilities,
     /// 1 — the longest listed generation matching the roots. Reply: `Manifest`.
     Find {
@@ -271,8 +274,8 @@ pub struct WireCapabilities {
     pub format_version: u32,
     /// RPC protocol version.
     pub protocol_version: u32,
-    /// The SHM pool's name.
-    pub shm_name: String,
+    /// The SHM pool's id (new at every server start).
+    pub pool_id: String,
     /// The SHM pool's size in bytes.
     pub pool_size: u64,
     /// Whether the directory survives restarts.
@@ -284,7 +287,7 @@ impl From<Capabilities> for WireCapabilities {
         WireCapabilities {
             format_version: c.format_version,
             protocol_version: c.protocol_version,
-            shm_name: c.shm_name,
+            pool_id: c.pool_id,
             pool_size: c.pool_size,
             durable_index: c.durable_index,
         }
@@ -296,7 +299,7 @@ impl From<WireCapabilities> for Capabilities {
         Capabilities {
             format_version: c.format_version,
             protocol_version: c.protocol_version,
-            shm_name: c.shm_name,
+            pool_id: c.pool_id,
             pool_size: c.pool_size,
             durable_index: c.durable_index,
         }
@@ -327,6 +330,8 @@ pub struct WireLease {
     pub slots: Vec<Vec<Option<(u64, u64)>>>,
     /// Why a miss happened.
     pub reason: Option<String>,
+    /// The pool the slots belong to (ready leases).
+    pub pool_id: Option<String>,
 }
 
 impl From<Lease> for WireLease {
@@ -341,6 +346,7 @@ impl From<Lease> for WireLease {
             lease_id: l.lease_id,
             slots: l.slots,
             reason: l.reason.map(|r| r.as_str().to_string()),
+            pool_id: l.pool_id,
         }
     }
 }
@@ -357,6 +363,7 @@ impl From<WireLease> for Lease {
             lease_id: l.lease_id,
             slots: l.slots,
             reason: l.reason.as_deref().map(MissReason::from_name),
+            pool_id: l.pool_id,
         }
     }
 }
@@ -914,4 +921,129 @@ pub fn send_frame(
         }
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Frames that carry a descriptor (the welcome hands over the pool)
+
+/// [`send_frame`], with `fd` attached (`SCM_RIGHTS`) to the frame's first
+/// bytes: the receiver gets its own descriptor of the same open file.
+pub fn send_frame_with_fd(
+    stream: &std::os::unix::net::UnixStream,
+    frame: &[u8],
+    fd: BorrowedFd<'_>,
+) -> std::result::Result<(), (usize, io::Error)> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+    if frame.is_empty() {
+        return Err((0, io::Error::other("a descriptor needs at least one byte")));
+    }
+    let fds = [fd];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err((0, io::Error::other("no room for the descriptor")));
+    }
+    let sent = loop {
+        match sendmsg(
+            stream.as_fd(),
+            &[IoSlice::new(frame)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(0) => {
+                return Err((0, io::Error::new(io::ErrorKind::WriteZero, "socket closed")));
+            }
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err((0, e.into())),
+        }
+    };
+    send_frame(stream, &frame[sent..]).map_err(|(more, e)| (sent + more, e))
+}
+
+/// Most descriptors accepted with one frame; more are closed at once.
+const MAX_FDS: usize = 4;
+
+/// [`read_frame`] straight from a Unix socket (`recvmsg`), collecting the
+/// descriptors that arrive with the frame's bytes (close-on-exec). Reads
+/// exactly one frame, never a byte of the next. Descriptors beyond
+/// four per read are closed; ancillary data the kernel had to cut
+/// (`MSG_CTRUNC`) is an I/O error.
+pub fn read_frame_with_fds(
+    stream: &std::os::unix::net::UnixStream,
+    max_frame: usize,
+    buf: &mut Vec<u8>,
+) -> std::result::Result<Vec<OwnedFd>, FrameError> {
+    let mut fds = Vec::new();
+    let mut len = [0u8; LEN_BYTES];
+    match recv_full(stream, &mut len, &mut fds).map_err(FrameError::Io)? {
+        0 => return Err(FrameError::Eof),
+        n if n < LEN_BYTES => {
+            return Err(FrameError::Truncated {
+                got: n,
+                expected: LEN_BYTES,
+            });
+        }
+        _ => {}
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max_frame {
+        return Err(FrameError::Oversize {
+            len,
+            max: max_frame,
+        });
+    }
+    buf.clear();
+    buf.resize(len, 0);
+    let got = recv_full(stream, buf, &mut fds).map_err(FrameError::Io)?;
+    if got < len {
+        return Err(FrameError::Truncated {
+            got: LEN_BYTES + got,
+            expected: LEN_BYTES + len,
+        });
+    }
+    Ok(fds)
+}
+
+/// Fills `buf` with `recvmsg`; `Ok(n < buf.len())` only at end of stream.
+fn recv_full(
+    stream: &std::os::unix::net::UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<usize> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recvmsg};
+    let mut got = 0;
+    while got < buf.len() {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let received = match recvmsg(
+            stream.as_fd(),
+            &mut [IoSliceMut::new(&mut buf[got..])],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(r) => r,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received_fds) = message {
+                for fd in received_fds {
+                    if fds.len() < MAX_FDS {
+                        fds.push(fd);
+                    }
+                }
+            }
+        }
+        if received.flags.contains(ReturnFlags::CTRUNC) {
+            return Err(io::Error::other(
+                "the peer sent more descriptors than expected (ancillary data truncated)",
+            ));
+        }
+        if received.bytes == 0 {
+            break;
+        }
+        got += received.bytes;
+    }
+    Ok(got)
 }

@@ -19,7 +19,7 @@ pub(super) fn capabilities(inner: &Inner) -> Capabilities {
     Capabilities {
         format_version: FORMAT_VERSION,
         protocol_version: PROTOCOL_VERSION,
-        shm_name: inner.pool.name().to_string(),
+        pool_id: inner.pool.id().to_string(),
         pool_size: inner.pool.size(),
         durable_index: inner.config.checkpoint_index_path.is_some(),
     }

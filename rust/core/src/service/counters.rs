@@ -15,7 +15,8 @@ named_enum! {
         BeginDraining = "begin_draining",
         /// `begin` refused a duplicate (identical generation pending or listed) or found no capacity.
         BeginSuppressed = "begin_suppressed",
-        /// Pending generations aborted because nothing happened for `abandoned_after`.
+        /// Pending generations aborted because they were begun more than
+        /// `abandoned_after` ago (checked at every begin and by a timer).
         AbandonedGenerations = "abandoned_generations",
         /// Store pages reused without a copy (already resident).
         StorePagesReused = "store_pages_reused",
@@ -63,6 +64,10 @@ named_enum! {
         RestartRetired = "restart_retired",
         /// Clears performed.
         Clears = "clears",
+        /// Store leases aborted because their process was gone.
+        ReclaimedStoreLeases = "reclaimed_store_leases",
+        /// Retrieve leases released because their process was gone.
+        ReclaimedRetrieveLeases = "reclaimed_retrieve_leases",
     }
 }
 

@@ -89,7 +89,7 @@ impl CheckpointService {
             )?),
             None => None,
         };
-        let pool = ShmPool::create(&config.shm_name, config.l1_bytes)?;
+        let pool = ShmPool::create(config.l1_bytes)?;
         let inner = Arc::new(Inner {
             config,
             pool,
@@ -99,7 +99,11 @@ impl CheckpointService {
             state: StateLock::new(State::new(alloc, lease_salt())),
         });
         reconcile(&inner, inventory)?;
-        Ok(CheckpointService { inner })
+        let reaper = super::reclaim::Reaper::start(&inner)?;
+        Ok(CheckpointService {
+            inner,
+            reaper: parking_lot::Mutex::new(Some(reaper)),
+        })
     }
 }
 

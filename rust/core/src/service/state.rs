@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::counters::{Counter, Counters};
+use super::reclaim::Holder;
 use crate::protocol::MissReason;
 use crate::store::ObjectKey;
 use crate::store::alloc::{Slot as AllocSlot, SlotAllocator};
@@ -181,6 +182,8 @@ pub struct StoreLease {
     pub written: Vec<ObjectKey>,
     /// Bytes exposed for copying.
     pub bytes: u64,
+    /// The process holding it (reclaimed when that process is gone).
+    pub holder: Holder,
 }
 
 /// A live retrieve lease.
@@ -202,6 +205,8 @@ pub struct RetrieveLease {
     pub failed: Option<MissReason>,
     /// Started, for the capacity wait bound.
     pub started: Instant,
+    /// The process holding it (released when that process is gone).
+    pub holder: Holder,
 }
 
 /// A listed generation's object set.

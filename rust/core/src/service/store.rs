@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::Inner;
 use super::counters::Counter;
 use super::keys::object_keys;
+use super::reclaim::Holder;
 use super::state::{L1, PendingGen, RankState, State, StoreLease};
 use crate::error::{Error, Result};
 use crate::manifest::Manifest;
@@ -71,8 +72,9 @@ pub(super) fn abort(inner: &Arc<Inner>, generation: &str) -> Result<()> {
     Ok(())
 }
 
-/// Aborts pending generations that made no progress for `abandoned_after`.
-fn abort_stale(inner: &Arc<Inner>) {
+/// Aborts pending generations begun more than `abandoned_after` ago (at
+/// every `begin`, and on the reclaim sweep's timer).
+pub(super) fn abort_stale(inner: &Arc<Inner>) {
     let Some(age) = inner.config.abandoned_after else {
         return;
     };
@@ -96,7 +98,13 @@ fn abort_stale(inner: &Arc<Inner>) {
 /// page this one needs (retry; the generation stays pending); `miss` when
 /// the generation is not pending or space did not free up in time (the
 /// generation is aborted).
-pub(super) fn prepare_store(inner: &Arc<Inner>, manifest: &Manifest, rank: u32) -> Result<Lease> {
+/// The lease is held by `holder` (reclaimed if that process dies).
+pub(super) fn prepare_store(
+    inner: &Arc<Inner>,
+    holder: &Holder,
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Lease> {
     let schema = manifest.payload_schema()?;
     let groups = object_keys(manifest, &schema, rank)?;
     let page_bytes: Vec<u64> = schema.page_groups.iter().map(|g| g.page_bytes).collect();
@@ -171,12 +179,13 @@ pub(super) fn prepare_store(inner: &Arc<Inner>, manifest: &Manifest, rank: u32) 
                         rank,
                         written,
                         bytes,
+                        holder: holder.clone(),
                     },
                 );
                 if waited {
                     st.count(Counter::AdmissionSuccessAfterEviction, 1);
                 }
-                return Ok(Lease::ready(lease_id, slots));
+                return Ok(Lease::ready(lease_id, inner.pool.id().to_string(), slots));
             }
             Attempt::Busy => {
                 st.store_ranks.remove(&(generation.clone(), rank));
@@ -420,7 +429,7 @@ fn attempt_store(
 }
 
 /// Removes the pages a failed or orphaned store lease was writing.
-fn discard_written(st: &mut State, lease: &StoreLease) {
+pub(super) fn discard_written(st: &mut State, lease: &StoreLease) {
     for key in &lease.written {
         if st
             .objects

@@ -8,8 +8,6 @@ use std::time::Duration;
 /// these fields are the ones below.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceConfig {
-    /// Name of the POSIX shared-memory pool (unique per server on a host).
-    pub shm_name: String,
     /// Size of the L1 pool in bytes (a multiple of 4096).
     pub l1_bytes: u64,
     /// Directory of the L2 object files; `None` = no L2 tier.
@@ -37,7 +35,6 @@ pub struct ServiceConfig {
 impl Default for ServiceConfig {
     fn default() -> Self {
         ServiceConfig {
-            shm_name: format!("lmcache-rc-{}", std::process::id()),
             l1_bytes: crate::store::shm::default_l1_bytes(),
             l2_path: None,
             l2_bytes: None,

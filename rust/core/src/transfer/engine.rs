@@ -583,25 +583,27 @@ impl Inner {
     }
 
     /// The current mapping; maps (again) when there is none or the sidecar
-    /// recreated its pool since.
+    /// now serves another pool (it restarted).
     fn mapped(&self) -> Result<Arc<Mapped>> {
-        if let Some(m) = self.current_mapping() {
+        let current = self.api.pool_id()?;
+        if let Some(m) = self.current_mapping(&current) {
             return Ok(m);
         }
         let _remapping = self.remapping.lock();
-        if let Some(m) = self.current_mapping() {
+        if let Some(m) = self.current_mapping(&current) {
             return Ok(m); // another thread mapped it meanwhile
         }
         if let Some(stale) = self.mapping.lock().take() {
             log::info!(
-                "shared-memory pool {} was replaced (sidecar restarted): mapping it again",
-                stale.pool.name()
+                "the sidecar's shared-memory pool {} was replaced by {current} (sidecar \
+                 restarted): mapping the new one",
+                stale.pool.id()
             );
         }
-        // The RPC, the populated open and the registration run without the
-        // `mapping` lock, so `capabilities()` never waits for them.
-        let caps = self.api.capabilities()?;
-        let pool = ShmPool::open_populated(&caps.shm_name, caps.pool_size)?;
+        // The RPC, the populated mapping and the registration run without
+        // the `mapping` lock, so `capabilities()` never waits for them.
+        let (caps, fd) = self.api.share_pool()?;
+        let pool = ShmPool::from_fd_populated(fd, &caps.pool_id, caps.pool_size)?;
         plan::check_pool(&caps, &pool)?;
         let registration = self.backend.register(&pool)?;
         let m = Arc::new(Mapped {
@@ -614,10 +616,10 @@ impl Inner {
         Ok(m)
     }
 
-    /// The mapping if it is still the sidecar's current pool.
-    fn current_mapping(&self) -> Option<Arc<Mapped>> {
+    /// The mapping if it is of the pool `current`.
+    fn current_mapping(&self, current: &str) -> Option<Arc<Mapped>> {
         let m = self.mapping.lock().clone()?;
-        m.pool.is_current().then_some(m)
+        (m.pool.id() == current).then_some(m)
     }
 
     fn forget_mapping(&self, stale: &Arc<Mapped>) {
@@ -951,12 +953,16 @@ impl Inner {
         lease: &Lease,
         mapped: &Arc<Mapped>,
     ) -> Result<plan::CopyPlan> {
-        if !mapped.pool.is_current() {
+        if let Some(other) = lease
+            .pool_id
+            .as_deref()
+            .filter(|id| *id != mapped.pool.id())
+        {
             self.forget_mapping(mapped);
             return Err(Error::invalid(format!(
-                "the sidecar's shared-memory pool {} was replaced (restarted); the lease was \
-                 refused and the pool will be mapped again",
-                mapped.pool.name()
+                "the sidecar's shared-memory pool {} was replaced by {other} (restarted); the \
+                 lease was refused and the pool will be mapped again",
+                mapped.pool.id()
             )));
         }
         plan::plan_copy(

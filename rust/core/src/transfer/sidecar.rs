@@ -1,6 +1,7 @@
 //! How the transfer engine talks to the checkpoint service.
 //!
-//! The engine needs six lease operations and the capabilities, and for the
+//! The engine needs six lease operations and the pool (its capabilities and
+//! a descriptor to map, see [`PoolSource`]), and for the
 //! RPC-timeout reconciliation of spec §7.3 it must be able to wait *again on
 //! the same reply* rather than send a second request. [`LeaseApi`] therefore
 //! hands out a [`ReplyHandle`] per call. Its calls are the `*_async`
@@ -10,12 +11,15 @@
 //! tests also implement [`LeaseApi`] to inject slow, lost or malformed
 //! replies.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Result;
 use crate::manifest::Manifest;
-use crate::protocol::{Capabilities, Checkpoints, CheckpointsAsync, Lease, Pending};
+use crate::protocol::{Capabilities, CheckpointsAsync, Lease, Pending};
+use crate::rpc::Client;
+use crate::service::CheckpointService;
 
 /// One lease operation of a transfer job.
 #[derive(Debug, Clone)]
@@ -90,10 +94,45 @@ pub trait ReplyHandle: Send {
     fn wait(&self, timeout: Duration) -> Result<LeaseAnswer>;
 }
 
+/// Where a worker gets the service's shared-memory pool.
+pub trait PoolSource {
+    /// The capabilities (pool id and size, format version) and a new
+    /// descriptor of that very pool, to map.
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)>;
+    /// The id of the pool leases come from now, without a round trip when
+    /// possible (the RPC client reconnects if it must, but makes no call).
+    fn pool_id(&self) -> Result<String>;
+}
+
+/// The in-process service: its own pool.
+impl PoolSource for CheckpointService {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        Ok((
+            CheckpointService::capabilities(self),
+            CheckpointService::pool(self).share()?,
+        ))
+    }
+    fn pool_id(&self) -> Result<String> {
+        Ok(CheckpointService::pool(self).id().to_string())
+    }
+}
+
+/// The RPC client: the pool its connection's handshake handed over.
+impl PoolSource for Client {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        Client::share_pool(self)
+    }
+    fn pool_id(&self) -> Result<String> {
+        Client::pool_id(self)
+    }
+}
+
 /// The lease operations a transfer engine needs from the checkpoint service.
 pub trait LeaseApi: Send + Sync {
-    /// Pool name and size, format version (read when mapping the pool).
-    fn capabilities(&self) -> Result<Capabilities>;
+    /// The pool to map: its capabilities and a descriptor (see [`PoolSource`]).
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)>;
+    /// The id of the pool leases come from now (see [`PoolSource::pool_id`]).
+    fn pool_id(&self) -> Result<String>;
     /// Sends one lease operation; the reply arrives through the handle.
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle>;
 }
@@ -147,11 +186,15 @@ fn call_async(api: &(impl CheckpointsAsync + ?Sized), call: LeaseCall) -> Box<dy
     }
 }
 
-/// Every implementation of the protocol is a [`LeaseApi`]: the RPC client
-/// (the sidecar in another process) and the in-process service alike.
-impl<T: CheckpointsAsync> LeaseApi for T {
-    fn capabilities(&self) -> Result<Capabilities> {
-        Checkpoints::capabilities(self)
+/// Every implementation of the protocol that hands out its pool is a
+/// [`LeaseApi`]: the RPC client (the sidecar in another process) and the
+/// in-process service alike.
+impl<T: CheckpointsAsync + PoolSource> LeaseApi for T {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        PoolSource::share_pool(self)
+    }
+    fn pool_id(&self) -> Result<String> {
+        PoolSource::pool_id(self)
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         call_async(self, call)
@@ -159,8 +202,11 @@ impl<T: CheckpointsAsync> LeaseApi for T {
 }
 
 impl<T: LeaseApi + ?Sized> LeaseApi for Arc<T> {
-    fn capabilities(&self) -> Result<Capabilities> {
-        (**self).capabilities()
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        (**self).share_pool()
+    }
+    fn pool_id(&self) -> Result<String> {
+        (**self).pool_id()
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         (**self).call(call)
