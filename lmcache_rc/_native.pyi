@@ -81,6 +81,8 @@ class ServerConfig:
     l2_bytes: int | None
     http_host: str
     http_port: int
+    http_max_connections: int
+    http_idle_timeout: float
     max_entries: int
     max_pending: int
     max_leases: int
@@ -101,6 +103,8 @@ class ServerConfig:
         l2_bytes: int | None = ...,
         http_host: str = ...,
         http_port: int = ...,
+        http_max_connections: int = ...,
+        http_idle_timeout: float = ...,
         max_entries: int = ...,
         max_pending: int = ...,
         max_leases: int = ...,
@@ -346,6 +350,10 @@ class Server:
     def socket_path(self) -> str: ...
     @property
     def http_url(self) -> str | None: ...
+    @property
+    def admin_file(self) -> str | None: ...
+    @staticmethod
+    def admin_file_for(socket: _Path) -> str: ...
     @property
     def stopped(self) -> bool: ...
     def status(self) -> RpcStatus: ...
