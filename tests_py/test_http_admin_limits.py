@@ -189,18 +189,20 @@ def test_oversized_headers_are_refused_early_and_rss_stays_flat(
     assert code == 431
     side.assert_serving()
 
+    # 4 connections, each sending 256 MiB of headers as 1 MiB header lines
+    # (the seed's server buffered them all: RSS grew to 1 GiB, never returned).
     rss_before = side.rss_bytes()
-    chunk = b"a" * MiB
+    line = b"X-Big: " + b"a" * (MiB - 9) + b"\r\n"
     header_bytes = 256 * MiB
     accepted = []
     for _ in range(4):
         with socket.create_connection(side.addr, timeout=30) as s:
-            s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            s.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n")
             sent = 0
             try:
                 while sent < header_bytes:
-                    s.sendall(chunk)
-                    sent += len(chunk)
+                    s.sendall(line)
+                    sent += len(line)
             except (BrokenPipeError, ConnectionResetError):
                 pass
         # The server stopped reading at its limit and closed: the client could
