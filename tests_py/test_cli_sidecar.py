@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,57 +16,7 @@ import lmcache_rc as rc
 from lmcache_rc.cli import build_parser
 from lmcache_rc.config import ServerConfig
 from tests_py.rpc_helpers import make_manifest, restore_rank, store_rank
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lmcache_rc", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def start_sidecar(
-    tmp_path: Path, *extra: str, name: str = "side"
-) -> tuple[subprocess.Popen[str], list[str]]:
-    """Runs ``lmcache-rc serve`` on durable paths under tmp_path (socket
-    ``<name>.sock``) until "ready"; ``extra`` flags are appended."""
-    socket = str(tmp_path / f"{name}.sock")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lmcache_rc",
-            "serve",
-            "--socket",
-            socket,
-            "--l1-bytes",
-            "8M",
-            "--checkpoint-index-path",
-            str(tmp_path / f"{name}.sqlite"),
-            "--l2-path",
-            str(tmp_path / f"{name}-l2"),
-            "--http-port",
-            "0",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if line.strip() == "ready":
-            break
-    assert lines and lines[-1] == "ready", lines
-    return proc, lines
+from tests_py.sidecar_helpers import cli, start_sidecar
 
 
 @pytest.fixture
@@ -113,13 +62,19 @@ def test_status_inspect_and_clear_talk_to_a_running_sidecar(
     assert client.begin(m2)
     lease = client.prepare_store(m2, 0)
     assert lease.status == "ready"
-    refused = cli("clear", "--socket", socket, "--force")
-    assert refused.returncode == 4, refused.stderr
-    assert "refused" in refused.stderr
+    # Forced is the default (the reference's): refused while a lease is live.
+    for flags in (["--force"], []):
+        refused = cli("clear", "--socket", socket, *flags)
+        assert refused.returncode == 4, (flags, refused.stderr)
+        assert "refused" in refused.stderr
+    kept = cli("clear", "--socket", socket, "--no-force", "--json")
+    assert kept.returncode == 0, kept.stderr
+    assert json.loads(kept.stdout)["kept_objects"] > 0
     assert client.finish_store(lease.lease_id or "", False) is False
     cleared = cli("clear", "--socket", socket, "--json")
     assert cleared.returncode == 0, cleared.stderr
     assert "l1_objects" in json.loads(cleared.stdout)
+    assert "(forced) via HTTP admin http://127.0.0.1:" in cleared.stderr
     client.close()
 
     proc.send_signal(signal.SIGTERM)

@@ -262,7 +262,9 @@ def test_nonforced_clear_keeps_read_leased_pages(service: rc.CheckpointService) 
     assert lease.lease_id is not None
     ready = service.poll_retrieve(lease.lease_id)
     assert ready.status == "ready"
-    report = service.clear()
+    with pytest.raises(rc.errors.LeasesLive):
+        service.clear()  # force omitted is forced: refused while a lease is live
+    report = service.clear(force=False)
     assert report["kept_objects"] >= 2
     for g, arrays in enumerate(service.lease_arrays(ready)):
         for i, arr in enumerate(arrays):

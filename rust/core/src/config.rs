@@ -15,6 +15,7 @@ use std::path::{Path as FsPath, PathBuf};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::http;
 use crate::rpc;
 use crate::service::ServiceConfig;
 use crate::store::shm::default_l1_bytes;
@@ -295,6 +296,12 @@ sidecar_config! {
     /// Port of the HTTP admin API: 0 picks a free port (the default), -1
     /// turns the API off.
     http_port: Signed = 0;
+    /// Most HTTP admin connections open at once; a new one beyond displaces
+    /// the oldest connection that is not answering a request.
+    http_max_connections: Count = http::AdminConfig::DEFAULT_MAX_CONNECTIONS as u64;
+    /// How long an HTTP admin connection may take to send a request head,
+    /// or stay silent between requests, before it is closed.
+    http_idle_timeout: Seconds = http::AdminConfig::DEFAULT_IDLE_TIMEOUT;
     /// Most published generations listed (least recently used beyond).
     max_entries: Count = ServiceConfig::default().max_entries;
     /// Most generations pending publication at once.
@@ -369,6 +376,12 @@ impl SidecarConfig {
                 self.l1_bytes
             )));
         }
+        if self.http_max_connections == 0 {
+            return Err(Error::invalid("http_max_connections must be at least 1"));
+        }
+        if self.http_idle_timeout.is_zero() {
+            return Err(Error::invalid("http_idle_timeout must be positive"));
+        }
         Ok(())
     }
 
@@ -428,8 +441,10 @@ impl SidecarConfig {
         Ok((service, server))
     }
 
-    /// Where the HTTP admin API listens (None: turned off).
-    pub fn http_bind(&self) -> Result<Option<(String, u16)>> {
+    /// The HTTP admin API's settings for a server listening on `socket`
+    /// (its admin file goes beside it: [`http::admin_file_for`]); None when
+    /// the API is turned off (`http_port` -1).
+    pub fn http_config(&self, socket: &FsPath) -> Result<Option<http::AdminConfig>> {
         if self.http_port < 0 {
             return Ok(None);
         }
@@ -439,7 +454,11 @@ impl SidecarConfig {
                 self.http_port
             ))
         })?;
-        Ok(Some((self.http_host.clone(), port)))
+        let mut config = http::AdminConfig::new(self.http_host.clone(), port);
+        config.max_connections = usize_of("http_max_connections", self.http_max_connections)?;
+        config.idle_timeout = self.http_idle_timeout;
+        config.admin_file = Some(http::admin_file_for(socket));
+        Ok(Some(config))
     }
 
     /// The socket path (for messages).

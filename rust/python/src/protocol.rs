@@ -304,22 +304,31 @@ macro_rules! checkpoint_pymethods {
                 Ok($crate::protocol::start(py, || api.finish_store_async(lease_id, success, rank)))
             }
 
-            /// Drops L1 copies (and L2 files with all_tiers); `force` is
-            /// refused with LeasesLive while leases are live.
-            #[pyo3(signature = (force = false, all_tiers = false))]
-            fn clear(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyResult<Py<PyAny>> {
+            /// Drops L1 copies (and L2 files with all_tiers). `force`
+            /// omitted (None) means forced, the reference's default
+            /// (`protocol::CLEAR_FORCE_DEFAULT`); a forced clear is refused
+            /// with LeasesLive while leases are live.
+            #[pyo3(signature = (force = None, all_tiers = false))]
+            fn clear(
+                &self,
+                py: Python<'_>,
+                force: Option<bool>,
+                all_tiers: bool,
+            ) -> PyResult<Py<PyAny>> {
                 let api = self.$api()?;
+                let force = lmcache_rc_core::protocol::clear_force(force);
                 $crate::protocol::call(py, || api.clear(force, all_tiers))
             }
             /// `clear` without waiting.
-            #[pyo3(signature = (force = false, all_tiers = false))]
+            #[pyo3(signature = (force = None, all_tiers = false))]
             fn clear_async(
                 &self,
                 py: Python<'_>,
-                force: bool,
+                force: Option<bool>,
                 all_tiers: bool,
             ) -> PyResult<$crate::protocol::PyFuture> {
                 let api = self.$api()?;
+                let force = lmcache_rc_core::protocol::clear_force(force);
                 Ok($crate::protocol::start(py, || api.clear_async(force, all_tiers)))
             }
 

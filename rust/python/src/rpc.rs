@@ -271,6 +271,7 @@ pub struct PyServer {
     socket: String,
     drain: Duration,
     http_url: Option<String>,
+    admin_file: Option<String>,
 }
 
 /// What a `Server` owns: its threads (the RPC server, the HTTP admin API).
@@ -290,9 +291,17 @@ impl Drop for PyServer {
         let Some(parts) = self.inner.local() else {
             return;
         };
+        // The HTTP admin API first: it removes its admin file before the
+        // RPC server removes the socket's (temporary) directory.
+        let http = lock(&parts.http).take();
         let taken = lock(&parts.server).take();
-        if let Some(server) = taken {
-            Python::attach(|py| py.detach(move || drop(server)));
+        if http.is_some() || taken.is_some() {
+            Python::attach(|py| {
+                py.detach(move || {
+                    drop(http);
+                    drop(taken);
+                })
+            });
         }
     }
 }
@@ -328,23 +337,31 @@ impl PyServer {
             log::warn!("{warning}");
         }
         let (service, rpc_config) = config.server_configs(temp_socket).py()?;
-        let http_bind = config.http_bind().py()?;
         let drain = rpc_config.drain_timeout;
         let server = py.detach(|| rpc::Server::open(service, rpc_config)).py()?;
-        let http = match http_bind {
-            Some((host, port)) => {
+        // The server owns its socket now: the admin file beside it is ours
+        // to write, or (HTTP off) to remove when a killed server left one.
+        let http = match config.http_config(server.socket_path()).py()? {
+            Some(http_config) => {
                 let service = server.service().clone();
                 Some(
-                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&host, port, service))
+                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(http_config, service))
                         .py()?,
                 )
             }
-            None => None,
+            None => {
+                lmcache_rc_core::http::remove_stale_admin_file(server.socket_path());
+                None
+            }
         };
         Ok(PyServer {
             socket: server.socket_path().display().to_string(),
             drain,
             http_url: http.as_ref().map(|h| h.url()),
+            admin_file: http
+                .as_ref()
+                .and_then(|h| h.admin_file())
+                .map(|p| p.display().to_string()),
             inner: Owned::new(
                 "Server",
                 ServerParts {
@@ -366,6 +383,22 @@ impl PyServer {
     #[getter]
     fn http_url(&self) -> Option<String> {
         self.http_url.clone()
+    }
+
+    /// The HTTP admin file (`<socket>.admin.json`, mode 0600: the URL and
+    /// the bearer token `POST /clear` needs), or None when HTTP is off.
+    /// Removed by `stop`.
+    #[getter]
+    fn admin_file(&self) -> Option<String> {
+        self.admin_file.clone()
+    }
+
+    /// Where a sidecar listening on `socket` writes its HTTP admin file.
+    #[staticmethod]
+    fn admin_file_for(socket: std::path::PathBuf) -> String {
+        lmcache_rc_core::http::admin_file_for(&socket)
+            .display()
+            .to_string()
     }
 
     /// The service's status plus the RPC counters (rpc_connections, ...).
