@@ -699,18 +699,20 @@ fn buffer_addresses_must_match_the_layout_and_not_overlap() {
         })
         .collect();
     let bases: Vec<*mut u8> = bufs.iter().map(HostPool::base).collect();
-    // SAFETY (all three): refused before any address is stored or used.
+    // SAFETY: refused before any address is stored or used.
     let e = unsafe { CpuBackend::with_layout(bases[..2].to_vec(), layout.clone()) }
         .err()
         .expect("a missing buffer is refused");
     assert!(e.to_string().contains("3 buffers but 2"), "{e}");
     // L1 placed inside L0.
     let inside = vec![bases[0], bases[0].wrapping_add(8), bases[2]];
+    // SAFETY: refused before any address is stored or used.
     let e = unsafe { CpuBackend::with_layout(inside, layout.clone()) }
         .err()
         .expect("overlapping buffers are refused");
     assert!(e.to_string().contains("overlap in memory"), "{e}");
     let null = vec![bases[0], std::ptr::null_mut(), bases[2]];
+    // SAFETY: refused before any address is stored or used.
     let e = unsafe { CpuBackend::with_layout(null, layout) }
         .err()
         .expect("a null buffer is refused");

@@ -286,9 +286,9 @@ impl CudaBackend {
         shm: *mut u8,
         event: Option<u64>,
     ) -> std::result::Result<usize, (usize, Error)> {
-        // SAFETY: the event handle comes from the worker (a live CUevent of
-        // this context per the job's contract); the stream is this lane's.
         if let Some(ev) = event {
+            // SAFETY: the event handle comes from the worker (a live CUevent of
+            // this context per the job's contract); the stream is this lane's.
             let status = unsafe { sys::cuStreamWaitEvent(lane.stream, ev as sys::CUevent, 0) };
             check(status, "waiting on the producer event").map_err(|e| (0, e))?;
         }
