@@ -7,6 +7,7 @@
 //! - [`manifest`]: manifests and payload page-group validation;
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
+//! - [`limits`]: process resource floors (open-file limit, descriptor reserve);
 //! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
@@ -24,6 +25,7 @@ pub mod http;
 pub mod identity;
 pub mod index;
 pub mod json;
+pub mod limits;
 pub mod manifest;
 pub mod protocol;
 pub mod rpc;

@@ -410,6 +410,18 @@ impl Directory {
         })
     }
 
+    /// Why the directory is read-only (it was opened on a full disk), or
+    /// None when it is writable.
+    pub fn read_only(&self) -> Option<String> {
+        None
+    }
+
+    /// Tries to reopen a read-only directory for writing; true when it is
+    /// writable now and was not before.
+    pub fn reopen_writable(&self) -> Result<bool> {
+        Ok(false)
+    }
+
     /// The database file, or `None` for an in-memory directory.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()

@@ -15,6 +15,8 @@
 //!   effects (L2 writes, deletes and loads, directory retirements and
 //!   durable flags), and the L2 I/O jobs;
 //! - `admin`: capabilities, status, clear, list, close;
+//! - `upkeep`: the background thread retrying failed L2 writes and
+//!   watching for space to return while stores are refused;
 //! - `state`: the object table and reference counts (changed only through
 //!   its methods), leases and pending generations; `counters`: event and
 //!   miss counts.
@@ -40,6 +42,7 @@ mod state;
 mod store;
 mod tiers;
 mod types;
+mod upkeep;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,6 +76,11 @@ struct Inner {
     l2: Option<Arc<L2Tier>>,
     io: Mutex<Option<IoPool>>,
     state: tiers::StateLock,
+    /// Retried L2 writes and the disk-full state (`upkeep`).
+    upkeep: upkeep::Upkeep,
+    /// Generations start-up found incomplete but could not retire (the
+    /// directory was read-only); retired once it is writable.
+    deferred_retire: Mutex<Vec<String>>,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.

@@ -7,6 +7,7 @@ use super::counters::Counter;
 use super::keys::object_keys;
 use super::state::{Obj, State};
 use super::tiers::StateLock;
+use super::upkeep::Upkeep;
 use super::{CheckpointService, Inner, ServiceConfig};
 use crate::error::{Error, Result};
 use crate::index::{Directory, DirectoryConfig};
@@ -97,9 +98,13 @@ impl CheckpointService {
             l2,
             io: parking_lot::Mutex::new(io),
             state: StateLock::new(State::new(alloc, lease_salt())),
+            upkeep: Upkeep::default(),
+            deferred_retire: parking_lot::Mutex::new(Vec::new()),
         });
-        reconcile(&inner, inventory)?;
-        Ok(CheckpointService { inner })
+        let service = CheckpointService { inner };
+        reconcile(&service.inner, inventory)?;
+        Upkeep::start(&service.inner)?;
+        Ok(service)
     }
 }
 
@@ -155,10 +160,18 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
                     .entry(*key)
                     .or_insert_with(|| Obj::on_disk(*bytes));
             }
+            let queued = st.newly_durable.len();
             st.list_generation(
                 manifest.generation(),
                 keys.into_iter().map(|(k, _)| k).collect(),
             );
+            // Every object of a listed generation is on disk now; one whose
+            // flag was never committed (a crash between the last object's
+            // fsync and the flag) is marked durable by the guard below.
+            // Those already flagged need nothing.
+            if entry.durable {
+                st.newly_durable.truncate(queued);
+            }
         }
         // Files that no listed generation references are garbage (I7).
         let garbage: Vec<ObjectKey> = on_disk
@@ -167,18 +180,27 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
             .copied()
             .collect();
         st.count(Counter::RestartRetired, retire.len() as u64);
-        // Listed generations were durable when they were listed; the files
-        // deleted here fail the open if they cannot be (below), so neither
-        // is left for the guard to perform.
-        st.newly_durable.clear();
+        if inner.dir.read_only().is_some() {
+            // The flags wait until the directory is writable again.
+            st.newly_durable.clear();
+        }
         garbage
     };
     if !retire.is_empty() {
-        log::warn!(
-            "start-up: retired {} generation(s) whose objects are missing or corrupt",
-            retire.len()
-        );
-        inner.dir.retire(&retire)?;
+        if let Some(why) = inner.dir.read_only() {
+            log::warn!(
+                "start-up: {} generation(s) whose objects are missing or corrupt are not \
+                 served; they are retired once the directory is writable ({why})",
+                retire.len()
+            );
+            inner.deferred_retire.lock().extend(retire);
+        } else {
+            log::warn!(
+                "start-up: retired {} generation(s) whose objects are missing or corrupt",
+                retire.len()
+            );
+            inner.dir.retire(&retire)?;
+        }
     }
     if let Some(l2) = &inner.l2 {
         for key in deletes {
@@ -186,6 +208,25 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Retires what start-up found incomplete while the directory was
+/// read-only (called once it is writable again).
+pub(super) fn retire_deferred(inner: &std::sync::Arc<Inner>) {
+    let retire = std::mem::take(&mut *inner.deferred_retire.lock());
+    if retire.is_empty() {
+        return;
+    }
+    match inner.dir.retire(&retire) {
+        Ok(_) => log::warn!(
+            "retired {} generation(s) whose objects were missing or corrupt at start-up",
+            retire.len()
+        ),
+        Err(e) => {
+            log::warn!("retiring generations found incomplete at start-up failed: {e}");
+            inner.deferred_retire.lock().extend(retire);
+        }
+    }
 }
 
 /// All objects of all ranks of a manifest with their page sizes.

@@ -166,6 +166,9 @@ pub struct PendingGen {
     /// Which staging of the generation this is (a generation aborted and
     /// begun again is a new staging; leases of the old one never join it).
     pub epoch: u64,
+    /// Bytes its manifest holds in memory (counted in
+    /// [`State::pending_bytes`] until it leaves).
+    pub bytes: u64,
 }
 
 /// A live store lease.
@@ -225,6 +228,9 @@ pub struct State {
     pub store_ranks: HashSet<(String, u32)>,
     pub retrieve_leases: HashMap<u64, RetrieveLease>,
     pub pending: HashMap<String, PendingGen>,
+    /// Manifest bytes of the pending generations (and of begins between
+    /// their check and their record), bounded by `max_pending_bytes`.
+    pub pending_bytes: u64,
     pub listed: HashMap<Arc<str>, ListedGen>,
     /// Event and miss counts.
     pub counters: Counters,
@@ -265,6 +271,7 @@ impl State {
             store_ranks: HashSet::new(),
             retrieve_leases: HashMap::new(),
             pending: HashMap::new(),
+            pending_bytes: 0,
             listed: HashMap::new(),
             counters: Counters::default(),
             releases: 0,
@@ -513,9 +520,17 @@ impl State {
         true
     }
 
+    /// Forgets a pending generation (its pins are the caller's), returning
+    /// its manifest bytes to the pending budget.
+    pub fn remove_pending(&mut self, generation: &str) -> Option<PendingGen> {
+        let pg = self.pending.remove(generation)?;
+        self.pending_bytes = self.pending_bytes.saturating_sub(pg.bytes);
+        Some(pg)
+    }
+
     /// Releases every pin of a pending generation and forgets it.
     pub fn release_pending(&mut self, generation: &str) {
-        let Some(pg) = self.pending.remove(generation) else {
+        let Some(pg) = self.remove_pending(generation) else {
             return;
         };
         self.releases += 1;
