@@ -8,6 +8,7 @@
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
 //! - [`limits`]: process resource floors (open-file limit, descriptor reserve);
+//! - [`private`]: ownership, link and mode checks of the paths a sidecar keeps;
 //! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
@@ -27,6 +28,7 @@ pub mod index;
 pub mod json;
 pub mod limits;
 pub mod manifest;
+pub mod private;
 pub mod protocol;
 pub mod rpc;
 pub mod service;

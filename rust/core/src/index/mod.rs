@@ -98,7 +98,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
 
@@ -295,6 +295,10 @@ struct Inner {
     dirty_since: Option<Instant>,
     evictions: u64,
     invalid_rows: u64,
+    /// Why the file is open read-only (a full disk), if it is.
+    read_only: Option<String>,
+    /// The file's directory id (None in memory).
+    instance_id: Option<String>,
 }
 
 struct Shared {
@@ -328,6 +332,16 @@ fn check_one_namespace(queries: &[Prefix]) -> Result<()> {
     Ok(())
 }
 
+/// Opens the file for writing and reconciles its tables (the normal open).
+fn open_writable(
+    path: Option<&Path>,
+    config: &DirectoryConfig,
+) -> Result<(Connection, schema::Reconciled)> {
+    let mut conn = schema::open_connection(path)?;
+    let report = schema::reconcile(&mut conn, config.tail_hash_hook, path.is_some())?;
+    Ok((conn, report))
+}
+
 fn to_u32_len(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
@@ -340,8 +354,29 @@ impl Directory {
     /// [`Error::UnsupportedFormat`] and left untouched.
     pub fn open(path: Option<&Path>, config: DirectoryConfig) -> Result<Directory> {
         config.validate()?;
-        let mut conn = schema::open_connection(path)?;
-        let report = schema::reconcile(&mut conn, config.tail_hash_hook)?;
+        let (conn, report, read_only) = match open_writable(path, &config) {
+            Ok((conn, report)) => (conn, report, None),
+            // A full disk: serve what is durable, read-only (writes wait
+            // for `reopen_writable`).
+            Err(e)
+                if path.is_some_and(schema::disk_full)
+                    && e.kind() != ErrorKind::UnsupportedFormat =>
+            {
+                let p = path.unwrap_or(Path::new(""));
+                let conn = schema::open_read_only(p)?;
+                let why = format!(
+                    "the disk holding the checkpoint index {} is full ({e})",
+                    p.display()
+                );
+                log::warn!("{why}: the directory is open read-only until space returns");
+                (conn, schema::Reconciled::default(), Some(why))
+            }
+            Err(e) => return Err(e),
+        };
+        let instance_id = match path {
+            Some(_) => schema::directory_id(&conn)?,
+            None => None,
+        };
         if report.dangling_tails + report.backfilled_tails + report.migrated_tails > 0 {
             // A migration can leave a large write-ahead log behind; fold it
             // into the database now rather than during the first publications.
@@ -386,6 +421,8 @@ impl Directory {
             dirty_since: None,
             evictions: 0,
             invalid_rows: 0,
+            read_only,
+            instance_id,
         };
         let shared = Arc::new(Shared {
             inner: Mutex::new(inner),
@@ -410,16 +447,41 @@ impl Directory {
         })
     }
 
+    /// The id of a durable directory (written at its creation, the same
+    /// for its whole life; L2 directories are bound to it); None for an
+    /// in-memory directory.
+    pub fn instance_id(&self) -> Option<String> {
+        self.shared.inner.lock().instance_id.clone()
+    }
+
     /// Why the directory is read-only (it was opened on a full disk), or
     /// None when it is writable.
     pub fn read_only(&self) -> Option<String> {
-        None
+        self.shared.inner.lock().read_only.clone()
     }
 
-    /// Tries to reopen a read-only directory for writing; true when it is
-    /// writable now and was not before.
+    /// Tries to reopen a read-only directory for writing (space returned);
+    /// true when it is writable now and was not before. Recency stamps
+    /// gathered meanwhile are written then.
     pub fn reopen_writable(&self) -> Result<bool> {
-        Ok(false)
+        let mut inner = self.shared.inner.lock();
+        if inner.read_only.is_none() || inner.conn.is_none() {
+            return Ok(false);
+        }
+        let Some(path) = self.path.as_deref() else {
+            return Ok(false);
+        };
+        let (conn, _) = open_writable(Some(path), &inner.config)?;
+        let id = schema::directory_id(&conn)?;
+        if let Some(old) = inner.conn.replace(conn) {
+            let _ = old.close();
+        }
+        inner.read_only = None;
+        inner.instance_id = id;
+        if let Err(e) = inner.flush_recency() {
+            log::warn!("checkpoint directory: recency flush failed (will retry): {e}");
+        }
+        Ok(true)
     }
 
     /// The database file, or `None` for an in-memory directory.
@@ -449,6 +511,12 @@ impl Directory {
         let payload_bytes = manifest_payload_bytes(manifest);
         let mut guard = self.lock()?;
         let inner = &mut *guard;
+        if let Some(why) = &inner.read_only {
+            return Err(Error::OutOfSpace(format!(
+                "{why}: the directory is read-only, so nothing can be published until space \
+                 returns"
+            )));
+        }
         if let Some(p) = inner.pending.get(manifest.generation()) {
             return if p.manifest == *manifest {
                 Ok(false)
@@ -1210,6 +1278,9 @@ impl Inner {
 
     /// Writes dirty stamps when a batch is full or the oldest is due.
     fn maybe_flush(&mut self) {
+        if self.read_only.is_some() {
+            return; // kept until the directory is writable again
+        }
         let due = match self.dirty_since {
             None => false,
             Some(since) => {
@@ -1224,7 +1295,7 @@ impl Inner {
 
     /// Writes every dirty stamp in one transaction.
     fn flush_recency(&mut self) -> Result<usize> {
-        if self.dirty.is_empty() {
+        if self.dirty.is_empty() || self.read_only.is_some() {
             self.dirty_since = None;
             return Ok(0);
         }

@@ -469,8 +469,17 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64))> {
             .create(&dir)
             .map_err(|e| Error::io(format!("create socket directory {}", dir.display()), e))?;
     }
-    let meta = std::fs::metadata(&dir)
+    // lstat: a socket directory reached through a link is refused (another
+    // user could point it at a directory of theirs).
+    let meta = std::fs::symlink_metadata(&dir)
         .map_err(|e| Error::io(format!("stat socket directory {}", dir.display()), e))?;
+    if meta.file_type().is_symlink() {
+        return Err(Error::invalid(format!(
+            "socket directory {} is a symbolic link; lmcache-rc does not follow links there: \
+             pass a socket in a real directory to --socket",
+            dir.display()
+        )));
+    }
     let uid = rustix::process::geteuid().as_raw();
     if !meta.is_dir() {
         return Err(Error::invalid(format!(

@@ -1,6 +1,7 @@
 //! Opening the service and reconciling the directory with L2 at start-up.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use super::counters::Counter;
@@ -14,7 +15,9 @@ use crate::index::{Directory, DirectoryConfig};
 use crate::manifest::Manifest;
 use crate::store::ObjectKey;
 use crate::store::alloc::SlotAllocator;
-use crate::store::l2::{Fs, Inventory, IoPool, L2Tier, RealFs};
+use crate::store::l2::{
+    Binding, Fs, Inventory, IoPool, L2Tier, RealFs, read_binding, write_binding,
+};
 use crate::store::shm::ShmPool;
 
 /// A random salt for lease ids, so ids of an earlier run are never ours.
@@ -76,8 +79,11 @@ impl CheckpointService {
         )?;
         let (l2, inventory) = match &config.l2_path {
             Some(path) => {
+                // Refused before the tier opens (which deletes temp files).
+                let bound = check_binding(&*fs, path, &config, &dir)?;
                 let (tier, inventory) =
-                    L2Tier::open_with_progress(path, config.l2_bytes, fs, progress)?;
+                    L2Tier::open_with_progress(path, config.l2_bytes, fs.clone(), progress)?;
+                bind(&*fs, path, &config, &dir, bound, &inventory)?;
                 (Some(Arc::new(tier)), Some(inventory))
             }
             None => (None, None),
@@ -108,17 +114,117 @@ impl CheckpointService {
     }
 }
 
+/// The flags that name the index and the L2 directory, for messages.
+const INDEX_FLAG: &str = "--checkpoint-index-path";
+const L2_FLAG: &str = "--l2-path";
+
+/// Refuses an L2 directory whose objects belong to another index, or to a
+/// durable index that was not given (its objects would all be deleted as
+/// unreferenced). Returns the binding found.
+fn check_binding(
+    fs: &dyn Fs,
+    root: &Path,
+    config: &ServiceConfig,
+    dir: &Directory,
+) -> Result<Option<Binding>> {
+    let found = read_binding(fs, root)?;
+    let Some(bound) = &found else {
+        return Ok(None);
+    };
+    if !bound.durable {
+        return Ok(found);
+    }
+    let owner = bound
+        .index_path
+        .clone()
+        .unwrap_or_else(|| "(unknown path)".to_string());
+    match (&config.checkpoint_index_path, dir.instance_id()) {
+        (None, _) => Err(Error::invalid(format!(
+            "L2 directory {} holds the objects of the durable checkpoint index {owner} (id \
+             {}), but {INDEX_FLAG} is not given: without it every object would be deleted as \
+             unreferenced. Pass {INDEX_FLAG} {owner}, choose another {L2_FLAG}, or delete {} \
+             to discard its objects",
+            root.display(),
+            bound.index_id,
+            root.display()
+        ))),
+        (Some(path), Some(id)) if id != bound.index_id => Err(Error::invalid(format!(
+            "L2 directory {} belongs to another checkpoint index ({owner}, id {}); {INDEX_FLAG} \
+             {} is index {id}, so the objects would be deleted as unreferenced. Pass \
+             {INDEX_FLAG} {owner}, choose another {L2_FLAG}, or delete {} to discard its \
+             objects",
+            root.display(),
+            bound.index_id,
+            path.display(),
+            root.display()
+        ))),
+        _ => Ok(found),
+    }
+}
+
+/// Binds the L2 directory to this service's index once it is accepted: an
+/// unbound directory with objects is adopted by a durable index and refused
+/// without one (whose objects they are cannot be told).
+fn bind(
+    fs: &dyn Fs,
+    root: &Path,
+    config: &ServiceConfig,
+    dir: &Directory,
+    found: Option<Binding>,
+    inventory: &Inventory,
+) -> Result<()> {
+    let durable = config.checkpoint_index_path.is_some();
+    if found.is_none() && !durable && !inventory.objects.is_empty() {
+        return Err(Error::invalid(format!(
+            "L2 directory {} holds {} objects but no binding to an index (an older \
+             lmcache-rc wrote it), and {INDEX_FLAG} is not given: without it every object \
+             would be deleted as unreferenced. Pass the {INDEX_FLAG} they belong to, or delete \
+             {} to discard them",
+            root.display(),
+            inventory.objects.len(),
+            root.display()
+        )));
+    }
+    if dir.read_only().is_some() {
+        return Ok(()); // nothing is written (or deleted) on a full disk
+    }
+    let wanted = match dir.instance_id() {
+        Some(id) => Binding::new(id, true, config.checkpoint_index_path.as_deref()),
+        None if durable => return Ok(()),
+        None => match &found {
+            Some(b) if !b.durable => return Ok(()),
+            _ => Binding::new(crate::private::random_id()?, false, None),
+        },
+    };
+    if found.as_ref() != Some(&wanted) {
+        write_binding(fs, root, &wanted)?;
+        if let Some(old) = found.filter(|b| b.index_id != wanted.index_id) {
+            log::info!(
+                "L2 directory {}: bound to checkpoint index {} (it belonged to {}index {})",
+                root.display(),
+                wanted.index_id,
+                if old.durable { "" } else { "the in-memory " },
+                old.index_id
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Start-up reconciliation: every listed generation must have all of its
 /// objects verified on disk (I8); others are retired. Objects no listed
 /// generation references are deleted; unreadable files are reclaimed. Errors
 /// here fail the open (nothing is served from a tier that cannot be fixed).
 fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
     let mut on_disk = HashMap::new();
+    // On a full disk (read-only directory) nothing is deleted: start-up
+    // only decides what is served.
+    let read_only = inner.dir.read_only().is_some();
     if let Some(inv) = &inventory {
         for entry in &inv.objects {
             on_disk.insert(entry.key, entry.page_bytes);
         }
-        if let Some(l2) = &inner.l2 {
+        if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only) {
             if !inv.unreadable.is_empty() {
                 let n = l2.reclaim_unreadable(&inv.unreadable)?;
                 log::warn!("reclaimed {n} unreadable or old-format L2 files");
@@ -202,7 +308,7 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
             inner.dir.retire(&retire)?;
         }
     }
-    if let Some(l2) = &inner.l2 {
+    if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only) {
         for key in deletes {
             l2.remove(&key)?;
         }

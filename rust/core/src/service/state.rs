@@ -256,8 +256,6 @@ pub struct State {
     pub to_retire: Vec<Arc<str>>,
     /// L2 loads to start (key, slot offset, length), drained by the caller.
     pub loads: Vec<(ObjectKey, u64, u64)>,
-    /// L2 file bytes of writes queued or running (not yet in the tier's accounting).
-    pub l2_queued_bytes: u64,
 }
 
 impl State {
@@ -285,7 +283,6 @@ impl State {
             newly_durable: Vec::new(),
             to_retire: Vec::new(),
             loads: Vec::new(),
-            l2_queued_bytes: 0,
         }
     }
 
