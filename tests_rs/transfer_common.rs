@@ -722,7 +722,7 @@ impl LeaseApi for Scripted {
             ),
             Step::Pending => {
                 let id = match &call {
-                    LeaseCall::PollRetrieve { lease_id } => lease_id.clone(),
+                    LeaseCall::PollRetrieve { lease_id, .. } => lease_id.clone(),
                     _ => "scripted-pending".to_string(),
                 };
                 given(

@@ -20,20 +20,6 @@ use crate::store::l2::{
 };
 use crate::store::shm::ShmPool;
 
-/// A random salt for lease ids, so ids of an earlier run are never ours.
-fn lease_salt() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
-}
-
 impl CheckpointService {
     /// Opens the service: creates the SHM pool, opens the directory and the L2
     /// tier, and reconciles them.
@@ -103,7 +89,7 @@ impl CheckpointService {
             dir,
             l2,
             io: parking_lot::Mutex::new(io),
-            state: StateLock::new(State::new(alloc, lease_salt())),
+            state: StateLock::new(State::new(alloc, crate::private::random_bytes()?)),
             upkeep: Upkeep::default(),
             deferred_retire: parking_lot::Mutex::new(Vec::new()),
         });

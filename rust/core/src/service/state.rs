@@ -240,7 +240,8 @@ pub struct State {
     pub next_lease: u64,
     /// Epoch of the next staged generation.
     pub next_epoch: u64,
-    pub lease_salt: u64,
+    /// Keys the lease-id tags (drawn at start; see [`State::new_lease_id`]).
+    pub lease_secret: [u8; 32],
     pub accepting: bool,
     /// L2 files to delete (unreferenced objects), drained by the caller.
     pub l2_deletes: Vec<ObjectKey>,
@@ -259,7 +260,7 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(alloc: SlotAllocator, lease_salt: u64) -> State {
+    pub fn new(alloc: SlotAllocator, lease_secret: [u8; 32]) -> State {
         State {
             objects: HashMap::new(),
             lru: BTreeMap::new(),
@@ -275,7 +276,7 @@ impl State {
             releases: 0,
             next_lease: 1,
             next_epoch: 1,
-            lease_salt,
+            lease_secret,
             accepting: true,
             l2_deletes: Vec::new(),
             deleting: HashMap::new(),
@@ -375,21 +376,38 @@ impl State {
         }
     }
 
-    /// A new lease number and its public id (32 hex characters).
+    /// A new lease number and its public id: 32 hex characters, the number
+    /// and a tag only this service can compute (a keyed hash of the number
+    /// under a secret drawn at start). The id is the lease's capability: it
+    /// cannot be guessed from other ids, so a call that names no rank still
+    /// comes from whoever was handed the lease.
     pub fn new_lease_id(&mut self) -> (u64, String) {
         let n = self.next_lease;
         self.next_lease += 1;
-        (n, format!("{:016x}{:016x}", self.lease_salt, n))
+        (n, format!("{n:016x}{:016x}", self.lease_tag(n)))
     }
 
-    /// Parses a public lease id back to its number (None = not ours).
+    /// Parses a public lease id back to its number (None = not ours: a
+    /// wrong tag, an id of an earlier run, or not an id).
     pub fn lease_number(&self, id: &str) -> Option<u64> {
-        if id.len() != 32 {
+        if id.len() != 32 || !id.is_ascii() {
             return None;
         }
-        let salt = u64::from_str_radix(&id[..16], 16).ok()?;
-        let n = u64::from_str_radix(&id[16..], 16).ok()?;
-        (salt == self.lease_salt).then_some(n)
+        let n = u64::from_str_radix(&id[..16], 16).ok()?;
+        let tag = u64::from_str_radix(&id[16..], 16).ok()?;
+        (tag == self.lease_tag(n)).then_some(n)
+    }
+
+    /// The tag of lease number `n` (SHA-256 of the secret and `n`).
+    fn lease_tag(&self, n: u64) -> u64 {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.lease_secret);
+        h.update(n.to_le_bytes());
+        let digest = h.finalize();
+        let mut tag = [0u8; 8];
+        tag.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(tag)
     }
 
     pub fn live_leases(&self) -> usize {
