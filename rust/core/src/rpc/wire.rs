@@ -924,8 +924,13 @@ impl ByteBudget {
     }
 }
 
+/// Bytes of a connection's frame buffer never charged to the budget: small
+/// requests are served even while large unfinished frames hold the budget.
+pub const UNCHARGED_BYTES: usize = 64 << 10;
+
 /// One connection's receive buffer, charged to a [`ByteBudget`] for its
-/// capacity; the charge is returned when the buffer shrinks or is dropped.
+/// capacity beyond [`UNCHARGED_BYTES`]; the charge is returned when the
+/// buffer shrinks or is dropped.
 #[derive(Debug)]
 pub struct FrameBuffer<'a> {
     buf: Vec<u8>,
@@ -958,7 +963,7 @@ impl<'a> FrameBuffer<'a> {
     }
 
     /// Makes room for `more` bytes beyond the current length, charging the
-    /// growth; false when the budget refuses it.
+    /// growth beyond [`UNCHARGED_BYTES`]; false when the budget refuses it.
     fn grow(&mut self, more: usize, cap: usize) -> bool {
         let needed = self.buf.len().saturating_add(more);
         if needed <= self.buf.capacity() {
@@ -967,7 +972,9 @@ impl<'a> FrameBuffer<'a> {
         let target = needed
             .max(self.buf.capacity().saturating_mul(2))
             .min(cap.max(needed));
-        let extra = target.saturating_sub(self.charged);
+        let extra = target
+            .saturating_sub(UNCHARGED_BYTES)
+            .saturating_sub(self.charged);
         if !self.budget.take(extra) {
             return false;
         }
