@@ -359,8 +359,10 @@ impl Directory {
             // A full disk: serve what is durable, read-only (writes wait
             // for `reopen_writable`).
             Err(e)
-                if path.is_some_and(schema::disk_full)
-                    && e.kind() != ErrorKind::UnsupportedFormat =>
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Database | ErrorKind::Io | ErrorKind::OutOfSpace
+                ) && path.is_some_and(schema::disk_full) =>
             {
                 let p = path.unwrap_or(Path::new(""));
                 let conn = schema::open_read_only(p)?;
