@@ -15,7 +15,11 @@ run_example() { # name, title, args...
 run_example identity_bench "identity (Rust): token roots vs raw SHA-256"
 echo "== identity (Python): TokenRoots.build vs hashlib"
 python ci/bench_identity.py
-run_example directory_bench "directory: find / publish vs raw SQLite" $quick
+keep=$(mktemp -d)
+trap 'rm -rf "$keep"' EXIT
+run_example directory_bench "directory: publish / durable marking / find vs raw SQLite" $quick --keep "$keep"
+echo "== directory (Python): Directory.find vs the Rust find of the same directory"
+python ci/bench_directory.py "$keep" "${CARGO_TARGET_DIR:-target}/release/examples/directory_bench"
 run_example l2_bench "L2 tier: durable writes / verified cold reads vs raw file I/O"
 echo "== service: store + retrieve through lease slots vs memcpy"
 python ci/bench_service.py

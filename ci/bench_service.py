@@ -32,7 +32,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = rc.ServerConfig(
             socket=os.path.join(tmp, "s.sock"),
-            shm_name=f"lmrc-bench-{os.getpid()}",
             l1_bytes=total + (8 << 20),
         )
         svc = rc.CheckpointService(cfg)

@@ -123,7 +123,6 @@ def run_transfer_bench(
     with tempfile.TemporaryDirectory() as tmp:
         cfg = rc.ServerConfig(
             socket=os.path.join(tmp, "bench.sock"),
-            shm_name=f"lmrc-bench-{os.getpid()}-{time.monotonic_ns()}",
             l1_bytes=total + (16 << 20),
         )
         with rc.Server.start(cfg) as server, rc.Client(server.socket_path) as client:

@@ -6,8 +6,13 @@ Sub-commands:
   (then drain and exit 0). Every :class:`~lmcache_rc.config.ServerConfig` setting
   is a flag (``--l1-bytes``...; generated, with its help, from
   ``ServerConfig.fields()``) and an environment variable (``LMCACHE_RC_L1_BYTES``).
-- ``status [--json]``, ``clear [--force] [--all-tiers]``, ``inspect [--json]``:
-  talk to a running sidecar over its socket.
+- ``status [--json]``, ``inspect [--json]``: talk to a running sidecar over
+  its socket.
+- ``clear [--force | --no-force] [--all-tiers] [--json]``: drop cached pages.
+  Forced unless ``--no-force`` (the reference's default; refused, exit 4,
+  while leases are live). Goes through the sidecar's HTTP admin API with the
+  bearer token of its admin file ``<socket>.admin.json`` when it has one (see
+  :mod:`lmcache_rc.admin`), else over the socket.
 - ``identity``: print the namespace, token roots and generation id of a prompt.
 - ``demo``: run a self-contained multi-turn workload on the simulated engine
   against an embedded sidecar, restart it, and verify every restore byte for
@@ -31,7 +36,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lmcache_rc as rc
+from lmcache_rc import admin
 from lmcache_rc.config import ServerConfig
+from lmcache_rc.results import ClearReport
 
 SAMPLE_IDENTITY: dict[str, Any] = {
     "target_revision": "0123456789abcdef0123456789abcdef01234567",
@@ -144,7 +151,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = rc.Server.start(config, temp_socket=False)
     caps = rc.Client(server.socket_path).capabilities()
     print(f"  socket      {server.socket_path}", flush=True)
-    print(f"  shm pool    {caps['shm_name']} ({caps['pool_size']} bytes)", flush=True)
+    print(f"  shm pool    memfd {caps['pool_id']} ({caps['pool_size']} bytes)", flush=True)
     print(f"  directory   {config.checkpoint_index_path or 'in memory (not durable)'}", flush=True)
     print(f"  l2          {config.l2_path or 'none'}", flush=True)
     if server.http_url:
@@ -157,9 +164,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _socket(args: argparse.Namespace) -> str:
+    """The sidecar's socket: ``--socket``, else the environment or default."""
+    socket: str = args.socket or ServerConfig.from_env().socket
+    return socket
+
+
 def _client(args: argparse.Namespace) -> rc.Client:
-    socket = args.socket or ServerConfig.from_env().socket
-    return rc.Client(socket)
+    return rc.Client(_socket(args))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -177,9 +189,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
+    socket = _socket(args)
+    endpoint = admin.read_admin_file(socket)
     what = "RAM (L1)" + (" and disk (L2)" if args.all_tiers else "")
-    print(f"clearing {what}{' (forced)' if args.force else ''}...", file=sys.stderr)
-    report = _client(args).clear(force=args.force, all_tiers=args.all_tiers)
+    how = "kept: pages in use" if args.force is False else "forced"
+    via = f"HTTP admin {endpoint.url}" if endpoint else f"socket {socket}"
+    print(f"clearing {what} ({how}) via {via}...", file=sys.stderr)
+    # force None (no flag) is left to the sidecar's one default: forced.
+    report: ClearReport
+    if endpoint is not None:
+        report = admin.clear(endpoint, force=args.force, all_tiers=args.all_tiers)
+    else:
+        report = rc.Client(socket).clear(force=args.force, all_tiers=args.all_tiers)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
@@ -258,8 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "clear":
             p.add_argument(
                 "--force",
-                action="store_true",
-                help="drop everything, pinned pages too (refused while leases are live)",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="--force (the default): drop everything, pinned pages too; refused "
+                "(exit 4) while leases are live. --no-force: keep pages held by leases "
+                "or pending stores",
             )
             p.add_argument("--all-tiers", action="store_true", help="also delete L2 files")
         p.set_defaults(func=func)

@@ -11,9 +11,11 @@ The class is strict and immutable: an unknown setting or a value of the wrong
 type raises :class:`~lmcache_rc.errors.InvalidType` (a ``TypeError``), a value
 out of range :class:`~lmcache_rc.errors.InvalidInput` (a ``ValueError``).
 Defaults need no flags: the socket and the SQLite directory live under the
-user's runtime and cache directories, the shared-memory pool takes at most a
-quarter of the free space of ``/dev/shm`` (up to 1 GiB), and the pool name is
-derived from the socket path so two servers on one host never collide.
+user's runtime and cache directories, and the shared-memory pool takes at most
+a quarter of the available memory (up to 1 GiB). The pool has no name: it is an
+anonymous memfd the sidecar hands to each client over its socket, so two
+servers on one host never collide (``shm_name`` is accepted for old
+configurations, ignored, and warned about).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ __all__ = [
     "default_index_path",
     "default_l1_bytes",
     "default_socket_path",
-    "shm_name_for",
 ]
 
 
@@ -39,13 +40,8 @@ def default_socket_path() -> str:
 
 
 def default_l1_bytes() -> int:
-    """A quarter of the free space of /dev/shm, at most 1 GiB, at least 16 MiB."""
+    """A quarter of the available memory, at most 1 GiB, at least 16 MiB."""
     return _native.default_l1_bytes()
-
-
-def shm_name_for(socket: str | os.PathLike[str]) -> str:
-    """The SHM pool name derived from a socket path (unique per server)."""
-    return _native.shm_name_for(socket)
 
 
 def default_index_path() -> str:

@@ -34,14 +34,11 @@ Exit codes: 0 verified, 1 mismatch or failure (clear message on stderr).
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import random
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -222,21 +219,19 @@ def _idle(status: Mapping[str, Any]) -> bool:
     )
 
 
-def _corrupt_pool(shm_name: str) -> int:
-    """Flip one byte in every occupied slot of the sidecar's SHM pool (test hook).
+def _corrupt_pool(client: rc.Client, pool_size: int) -> int:
+    """Flip one byte in every occupied slot of the sidecar's SHM pool (test hook),
+    through the client's own mapping of the pool it was handed.
 
     Returns the number of slots changed. Occupied = any non-zero byte (the toy
     model's pages are hash expansions, never all zero).
     """
-    path = Path("/dev/shm") / shm_name.lstrip("/")
-    with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as mem:
-        pool = np.frombuffer(mem, dtype=np.uint8)
-        slots = pool[: len(pool) - len(pool) % _SLOT].reshape(-1, _SLOT)
-        occupied = np.flatnonzero(slots.any(axis=1))
-        for i in occupied:
-            slots[i, 0] ^= 0xFF
-        del slots, pool
-        mem.flush()
+    pool = client.slot_array(0, pool_size)
+    slots = pool[: len(pool) - len(pool) % _SLOT].reshape(-1, _SLOT)
+    occupied = np.flatnonzero(slots.any(axis=1))
+    for i in occupied:
+        slots[i, 0] ^= 0xFF
+    del slots, pool
     return len(occupied)
 
 
@@ -391,12 +386,10 @@ class _Demo:
         socket = str(socket_dir / "sidecar.sock")
         index = workdir / "checkpoints.sqlite"
         l2 = workdir / "l2"
-        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
-        def config(generation: int) -> rc.ServerConfig:
+        def config() -> rc.ServerConfig:
             return rc.ServerConfig(
                 socket=socket,
-                shm_name=f"lmrc-demo-{tag}-{generation}",
                 l1_bytes=opts.l1_bytes,
                 checkpoint_index_path=str(index),
                 l2_path=str(l2),
@@ -404,17 +397,17 @@ class _Demo:
             )
 
         # 1. the sidecar
-        cfg = config(1)
+        cfg = config()
         out.line(f"{self.elapsed()} starting the sidecar")
         client = self.start_server(cfg)
         caps = client.capabilities()
         out.line(f"  socket     {socket}")
-        out.line(f"  shm pool   {caps['shm_name']} ({caps['pool_size'] >> 20} MiB)")
+        out.line(f"  shm pool   memfd {caps['pool_id']} ({caps['pool_size'] >> 20} MiB)")
         out.line(f"  directory  {index} (durable: {bool(caps['durable_index'])})")
         out.line(f"  l2         {l2}")
         self.report.phases["sidecar"] = {
             "socket": socket,
-            "shm_name": caps["shm_name"],
+            "pool_id": caps["pool_id"],
             "pool_size": caps["pool_size"],
             "checkpoint_index_path": str(index),
             "l2_path": str(l2),
@@ -453,7 +446,7 @@ class _Demo:
                 prompts[c] = prompt
                 history[c] = prompt + output
             if t == 0 and opts.corrupt:
-                n = _corrupt_pool(str(caps["shm_name"]))
+                n = _corrupt_pool(client, int(caps["pool_size"]))
                 out.line(f"  !! {CORRUPT_ENV}: flipped one byte in each of {n} resident pages")
         out.line()
 
@@ -483,11 +476,11 @@ class _Demo:
             f"{self.elapsed()} sidecar stopped (drained: {stop.get('drained')}, "
             f"live leases: {stop.get('live_leases')})"
         )
-        cfg2 = config(2)
-        client = self.start_server(cfg2)
+        client = self.start_server(config())
         restarted = client.status()
+        new_pool = client.capabilities()["pool_id"]
         self.report.phases["after_restart"] = {
-            "shm_name": cfg2.shm_name,
+            "pool_id": new_pool,
             "generations": restarted["generations"],
             "l1_objects": restarted["l1_objects"],
             "l2_objects": restarted["l2_objects"],
@@ -495,7 +488,7 @@ class _Demo:
         }
         out.line(
             f"{self.elapsed()} sidecar restarted on the same directory and L2 path "
-            f"(new pool {cfg2.shm_name}): {restarted['generations']} generations "
+            f"(new pool memfd {new_pool}): {restarted['generations']} generations "
             f"listed, {restarted['l1_objects']} objects in RAM, "
             f"{restarted['l2_objects']} on disk"
         )

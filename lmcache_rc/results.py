@@ -26,11 +26,13 @@ __all__ = [
 
 
 class Capabilities(TypedDict):
-    """What a client needs to map the sidecar's pool (``capabilities()``)."""
+    """What a client needs to map the sidecar's pool (``capabilities()``): the
+    pool itself is the descriptor handed over at the connection's handshake;
+    ``pool_id`` changes at every sidecar start."""
 
     format_version: int
     protocol_version: int
-    shm_name: str
+    pool_id: str
     pool_size: int
     durable_index: bool
 
@@ -55,10 +57,18 @@ class ServiceStatus(TypedDict):
     l2_bytes: int
     l2_bytes_written: int
     l2_queue: int
+    l2_write_retrying: int
+    """L2 writes waiting for a retry (their pages stay pinned in RAM)."""
+    pending_bytes: int
+    """Manifest bytes of the pending generations (bounded by ``max_pending_bytes``)."""
+    stores_refused: int
+    """1 while ``begin`` is refused because the disk is full, else 0."""
     find_hits: int
     find_misses: int
     begin_draining: int
     begin_suppressed: int
+    begin_refused_pending_bytes: int
+    begin_refused_no_space: int
     abandoned_generations: int
     store_pages_reused: int
     store_pages_new: int
@@ -79,10 +89,13 @@ class ServiceStatus(TypedDict):
     retrieves_cancelled: int
     l2_corrupt_or_missing: int
     l2_write_errors: int
+    l2_write_retries: int
     l2_skipped_full: int
     reclaimed_objects: int
     restart_retired: int
     clears: int
+    reclaimed_store_leases: int
+    reclaimed_retrieve_leases: int
     misses: dict[str, int]
 
 
@@ -93,6 +106,12 @@ class RpcStatus(ServiceStatus):
     rpc_connections_total: int
     rpc_requests: int
     rpc_protocol_errors: int
+    rpc_max_connections: int
+    """Connections served at once (``max_connections``, lowered to fit the open-file limit)."""
+    rpc_buffered_bytes: int
+    """Bytes of unfinished request frames buffered now (bounded by ``rpc_max_buffered_bytes``)."""
+    rpc_frames_timed_out: int
+    rpc_frames_over_budget: int
 
 
 class ClearReport(TypedDict):
@@ -143,6 +162,10 @@ class DirectoryStatus(TypedDict):
     dirty_recency: int
     evictions: int
     invalid_rows: int
+    durability_fsyncs: int
+    """Synced log commits that made durable flags durable (group commits)."""
+    publish_transactions: int
+    """Transactions that published generations (shared by concurrent publishers)."""
 
 
 class ListedGeneration(TypedDict):

@@ -21,7 +21,6 @@ def config(tmp_path: Path, **overrides: object) -> rc.ServerConfig:
     """A small embedded-server config with its socket under ``tmp_path``."""
     values: dict[str, object] = {
         "socket": str(tmp_path / "rpc.sock"),
-        "shm_name": f"lmrc-rpc-{os.getpid()}-{time.monotonic_ns()}",
         "l1_bytes": 4 << 20,
         "store_admission_timeout": 0.3,
     }

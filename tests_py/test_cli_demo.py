@@ -51,15 +51,16 @@ def table_rows(text: str) -> list[dict[str, str]]:
     return [m.groupdict() for line in text.splitlines() if (m := ROW.match(line))]
 
 
-def shm_names(text: str) -> list[str]:
-    return re.findall(r"\b(lmrc-demo-\d+-[0-9a-f]{8}-\d+)\b", text)
+def pool_ids(text: str) -> list[str]:
+    return re.findall(r"\bmemfd ([0-9a-f]{32})\b", text)
 
 
 def assert_no_leftover_segments(text: str) -> None:
-    names = shm_names(text)
-    assert names, "the demo should print its pool names"
-    for name in names:
-        assert not (Path("/dev/shm") / name).exists(), f"shared memory {name} left behind"
+    ids = pool_ids(text)
+    assert ids, "the demo should print its pool ids"
+    for pool in ids:
+        left = list(Path("/dev/shm").glob(f"*{pool}*"))
+        assert not left, f"shared memory {left} left behind"
 
 
 def test_demo_runs_verifies_and_reports_measured_figures() -> None:

@@ -4,74 +4,24 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rpc_helpers import make_manifest, restore_rank, store_rank
+from sidecar_helpers import cli, start_sidecar
 
 import lmcache_rc as rc
 from lmcache_rc.cli import build_parser
 from lmcache_rc.config import ServerConfig
-from tests_py.rpc_helpers import make_manifest, restore_rank, store_rank
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lmcache_rc", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def start_sidecar(tmp_path: Path, shm_name: str) -> tuple[subprocess.Popen[str], list[str]]:
-    """Runs ``lmcache-rc serve`` on durable paths under tmp_path until "ready"."""
-    socket = str(tmp_path / "side.sock")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lmcache_rc",
-            "serve",
-            "--socket",
-            socket,
-            "--shm-name",
-            shm_name,
-            "--l1-bytes",
-            "8M",
-            "--checkpoint-index-path",
-            str(tmp_path / "dir.sqlite"),
-            "--l2-path",
-            str(tmp_path / "l2"),
-            "--http-port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip())
-        if line.strip() == "ready":
-            break
-    assert lines and lines[-1] == "ready", lines
-    return proc, lines
 
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, list[str]]]:
-    proc, lines = start_sidecar(tmp_path, f"lmrc-cli-{os.getpid()}-{time.monotonic_ns()}")
+    proc, lines = start_sidecar(tmp_path)
     yield proc, str(tmp_path / "side.sock"), lines
     if proc.poll() is None:
         proc.kill()
@@ -112,13 +62,19 @@ def test_status_inspect_and_clear_talk_to_a_running_sidecar(
     assert client.begin(m2)
     lease = client.prepare_store(m2, 0)
     assert lease.status == "ready"
-    refused = cli("clear", "--socket", socket, "--force")
-    assert refused.returncode == 4, refused.stderr
-    assert "refused" in refused.stderr
+    # Forced is the default (the reference's): refused while a lease is live.
+    for flags in (["--force"], []):
+        refused = cli("clear", "--socket", socket, *flags)
+        assert refused.returncode == 4, (flags, refused.stderr)
+        assert "refused" in refused.stderr
+    kept = cli("clear", "--socket", socket, "--no-force", "--json")
+    assert kept.returncode == 0, kept.stderr
+    assert json.loads(kept.stdout)["kept_objects"] > 0
     assert client.finish_store(lease.lease_id or "", False) is False
     cleared = cli("clear", "--socket", socket, "--json")
     assert cleared.returncode == 0, cleared.stderr
     assert "l1_objects" in json.loads(cleared.stdout)
+    assert "(forced) via HTTP admin http://127.0.0.1:" in cleared.stderr
     client.close()
 
     proc.send_signal(signal.SIGTERM)
@@ -142,8 +98,7 @@ def test_bad_flags_exit_2() -> None:
 def test_durable_generations_restore_after_the_sidecar_restarts(
     tmp_path: Path, how: signal.Signals
 ) -> None:
-    shm = f"lmrc-restart-{os.getpid()}-{time.monotonic_ns()}"
-    proc, _ = start_sidecar(tmp_path, shm)
+    proc, _ = start_sidecar(tmp_path)
     socket = str(tmp_path / "side.sock")
     client = rc.Client(socket)
     m, roots = make_manifest(list(range(80)), world=2)
@@ -156,10 +111,8 @@ def test_durable_generations_restore_after_the_sidecar_restarts(
         time.sleep(0.01)
     proc.send_signal(how)
     proc.wait(timeout=60)
-    if how == signal.SIGKILL:
-        # A killed server cannot unlink its pool; the next one replaces it.
-        assert Path("/dev/shm", shm).exists()
-    proc2, _ = start_sidecar(tmp_path, shm)
+    # A killed server's lock went with it: the next one starts on its socket.
+    proc2, _ = start_sidecar(tmp_path)
     try:
         assert client.find(roots.roots) == m, "the client reconnected to the new server"
         assert restore_rank(client, m, 0) and restore_rank(client, m, 1)
@@ -170,4 +123,3 @@ def test_durable_generations_restore_after_the_sidecar_restarts(
     finally:
         proc2.send_signal(signal.SIGTERM)
         assert proc2.wait(timeout=60) == 0
-    assert not Path("/dev/shm", shm).exists()

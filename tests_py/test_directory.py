@@ -204,3 +204,45 @@ def test_exactly_one_of_eight_threads_publishes() -> None:
         t.join()
     assert sorted(results) == [False] * 7 + [True]
     assert d.find([prefix()]) == m
+
+
+def test_find_and_ancestors_take_token_roots_and_answer_as_their_prefixes() -> None:
+    ns = "recurrent-sha256-v1:roots"
+    d = rc.Directory()
+    tokens = list(range(1, 24))
+    roots = rc.TokenRoots.build(ns, tokens, 4)
+    for n in (2, 4, 7, 13, 16):
+        publish(d, manifest(f"p{n}", roots.prefix(n), world=1))
+    for length in (1, 3, 4, 5, 9, 13, 15, 16, 17, 23):
+        query = rc.TokenRoots.build(ns, tokens[:length], 4)
+        assert d.find(query) == d.find(query.roots), length
+        assert d.find(query) == d.find(list(query.roots)), length
+        for below in (0, 5, 14, 40):
+            assert d.ancestors(query, below) == d.ancestors(query.roots, below)
+    hit = d.find(rc.TokenRoots.build(ns, tokens, 4))
+    assert hit is not None and hit.generation == "p16"
+    assert d.find(rc.TokenRoots.build(ns, [], 4)) is None
+    assert d.find(iter(())) is None
+    with pytest.raises(errors.InvalidType, match="TokenRoots or an iterable"):
+        d.find(42)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidType):
+        d.ancestors([roots], 10)  # type: ignore[list-item]
+
+
+def test_mark_durable_marks_a_batch_and_reports_which_are_published(tmp_path: Path) -> None:
+    path = tmp_path / "d.sqlite"
+    d = rc.Directory(path)
+    for g, tail in (("a", (1,)), ("b", (2,)), ("c", (3,))):
+        publish(d, manifest(g, prefix(tail)))
+    assert d.mark_durable(["a", "missing", "c"]) == [True, False, True]
+    assert d.mark_durable([]) == []
+    with pytest.raises(TypeError):
+        d.mark_durable("a")  # a str is not a batch of generations
+    status = d.status()
+    assert status["durable_generations"] == 2
+    assert status["durability_fsyncs"] == 1
+    assert status["publish_transactions"] == 3
+    d.close()
+    d = rc.Directory(path)
+    durable = {e["manifest"].generation: e["durable"] for e in d.list()}
+    assert durable == {"a": True, "b": False, "c": True}

@@ -94,7 +94,6 @@ def test_objects_from_the_parent_raise_in_a_forked_child(
 def test_a_service_in_a_forked_child_raises_and_the_parent_keeps_it(tmp_path: Path) -> None:
     config = rc.ServerConfig(
         socket=str(tmp_path / "s.sock"),
-        shm_name=f"lmrc-fork-{os.getpid()}-{time.monotonic_ns()}",
         l1_bytes=2 << 20,
         l2_path=str(tmp_path / "l2"),
     )

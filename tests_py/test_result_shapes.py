@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,7 +26,6 @@ def assert_shape(value: Mapping[str, object], shape: type) -> None:
 def config(tmp_path: Path) -> rc.ServerConfig:
     return rc.ServerConfig(
         socket=str(tmp_path / "s.sock"),
-        shm_name=f"lmrc-shapes-{os.getpid()}-{time.monotonic_ns()}",
         l1_bytes=4 << 20,
         http_port=-1,
     )

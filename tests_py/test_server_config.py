@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +63,7 @@ def test_settings_read_back_with_their_python_types(tmp_path: object) -> None:
     assert c.l2_bytes == 1 << 30 and c.checkpoint_index_path is None
     assert c.store_admission_timeout == 2.0 and isinstance(c.store_admission_timeout, float)
     assert c.abandoned_after is None and c.http_port == -1
-    assert c.shm_name == rc.config.shm_name_for("/tmp/x/side.sock")
+    assert c.shm_name is None, "no pool name: the pool is an anonymous memfd"
     assert c.as_dict()["l2_bytes"] == 1 << 30
     with pytest.raises(AttributeError):
         c.l1_bytes = 4096  # type: ignore[misc]
@@ -70,10 +72,10 @@ def test_settings_read_back_with_their_python_types(tmp_path: object) -> None:
 
 
 def test_copies_compare_equal_and_pickle() -> None:
-    c = rc.ServerConfig(l1_bytes=8 << 20, shm_name="lmrc-cfg-test")
+    c = rc.ServerConfig(l1_bytes=8 << 20, http_port=-1)
     assert pickle.loads(pickle.dumps(c)) == c
     d = c.replace(l1_bytes=16 << 20)
-    assert d != c and d.l1_bytes == 16 << 20 and d.shm_name == "lmrc-cfg-test"
+    assert d != c and d.l1_bytes == 16 << 20 and d.http_port == -1
     assert "l1_bytes=16777216" in repr(d)
 
 
@@ -110,3 +112,28 @@ def test_every_setting_is_documented_in_the_configuration_guide() -> None:
     for name, _, _, _ in rc.ServerConfig.fields():
         flag = "--" + name.replace("_", "-")
         assert f"`{name}` / `{flag}`" in guide, name
+
+
+def test_checkpoint_service_takes_a_server_config_and_honours_every_setting(
+    tmp_path: Path,
+) -> None:
+    # Issue 12, item 9: rc.CheckpointService({"l1_bytes": 1 << 20}) silently
+    # opened a 1 GiB pool with defaults (any getattr error fell back to the
+    # default). The ServerConfig refactor made the config strict; this pins it.
+    with pytest.raises(TypeError):
+        rc.CheckpointService({"l1_bytes": 1 << 20})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        rc.ServerConfig(l1_bytes="1M")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="l1_byte"):
+        rc.ServerConfig(l1_byte=1 << 20)  # type: ignore[call-arg]
+    config = rc.ServerConfig(
+        socket=str(tmp_path / "s.sock"),
+        shm_name=f"lmrc-cfg-{os.getpid()}-{time.monotonic_ns()}",
+        l1_bytes=1 << 20,
+        max_pending=3,
+    )
+    svc = rc.CheckpointService(config)
+    try:
+        assert svc.capabilities()["pool_size"] == 1 << 20
+    finally:
+        svc.close()

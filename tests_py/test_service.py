@@ -4,7 +4,6 @@ views of lease slots (DESIGN §6; spec storage-and-transfer §5)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,6 @@ PAGE = 4096
 def config(tmp_path: Path, **overrides: object) -> rc.ServerConfig:
     values: dict[str, object] = {
         "socket": str(tmp_path / "s.sock"),
-        "shm_name": f"lmrc-py-{os.getpid()}-{time.monotonic_ns()}",
         "l1_bytes": 2 << 20,
         "store_admission_timeout": 0.2,
     }
@@ -134,11 +132,9 @@ def retrieve(svc: rc.CheckpointService, m: rc.Manifest, rank: int) -> bool:
 
 def test_server_config_defaults_need_no_flags() -> None:
     c = rc.ServerConfig()
-    assert c.shm_name and c.shm_name.startswith("lmcache-rc-")
+    assert c.shm_name is None, "the pool has no name (an anonymous memfd)"
     assert c.l1_bytes > 0 and c.l1_bytes % 4096 == 0
     assert c.checkpoint_index_path is None and c.l2_path is None
-    other = rc.ServerConfig(socket="/tmp/elsewhere.sock")
-    assert other.shm_name != c.shm_name, "the pool name follows the socket"
     with pytest.raises(ValueError):
         rc.ServerConfig(l1_bytes=1000)
 
@@ -161,7 +157,8 @@ def test_capabilities_describe_the_pool(service: rc.CheckpointService) -> None:
     assert caps["format_version"] == 1
     assert caps["pool_size"] == 2 << 20
     assert caps["durable_index"] is False
-    assert Path("/dev/shm", caps["shm_name"]).exists()
+    assert len(caps["pool_id"]) == 32 and int(caps["pool_id"], 16) >= 0
+    assert "shm_name" not in caps, "the pool has no name to open"
 
 
 def test_store_publishes_after_all_ranks_and_restores_through_numpy_views(
@@ -265,7 +262,9 @@ def test_nonforced_clear_keeps_read_leased_pages(service: rc.CheckpointService) 
     assert lease.lease_id is not None
     ready = service.poll_retrieve(lease.lease_id)
     assert ready.status == "ready"
-    report = service.clear()
+    with pytest.raises(rc.errors.LeasesLive):
+        service.clear()  # force omitted is forced: refused while a lease is live
+    report = service.clear(force=False)
     assert report["kept_objects"] >= 2
     for g, arrays in enumerate(service.lease_arrays(ready)):
         for i, arr in enumerate(arrays):

@@ -101,3 +101,53 @@ def rank_process(
     else:
         exact = all(matches(pool, m, rank, ids) for m, ids in zip(manifests, layouts, strict=True))
     return results, exact
+
+
+def hold_leases(socket: str, store: rc.Manifest, restore: rc.Manifest) -> None:
+    """A worker rank (rank 0) that takes a store lease of ``store`` and an
+    exposed retrieve lease of ``restore``, then hangs inside both copies (an
+    injected 10-minute delay) until it is killed."""
+    pool = np.zeros((1 + pages_per_rank(store) + pages_per_rank(restore), PAGE), np.uint8)
+    store_ids = block_layout(store, 1)
+    restore_ids = block_layout(restore, 1 + pages_per_rank(store))
+    fill(pool, store, 0, store_ids)
+    worker = CheckpointWorker(
+        socket, rank=0, world_size=store.world_size, layout=LAYOUT, page_pool=pool
+    )
+    worker.engine._inject_fault("delay", 2, 600.0)
+    assert worker.submit("store", store, "STORE", store_ids)
+    assert worker.submit("restore", restore, "RETRIEVE", restore_ids)
+    time.sleep(3600)
+
+
+def rank_server(socket: str, rank: int, world: int, conn: Any) -> None:
+    """A long-lived worker rank: for each ``(direction, manifest, delay)``
+    received on ``conn`` it runs one task (the copy first waits ``delay``
+    seconds, so a kill can land while it holds its lease) and answers
+    ``(succeeded, bytes exact)``; ``None`` ends it. Bytes exact: a restore
+    reproduced exactly what the rank stored, a store left its pool alone."""
+    rows = 64
+    pool = np.zeros((1 + rows, PAGE), np.uint8)
+    with CheckpointWorker(
+        socket, rank=rank, world_size=world, layout=LAYOUT, page_pool=pool
+    ) as worker:
+        conn.send("ready")
+        n = 0
+        while (msg := conn.recv()) is not None:
+            direction, m, delay = msg
+            ids = block_layout(m, 1)
+            assert ids[-1][-1] <= rows, "the manifest has more pages than the pool rows"
+            pool[:] = 0
+            if direction == "STORE":
+                fill(pool, m, rank, ids)
+            before = pool.copy()
+            if delay > 0:
+                worker.engine._inject_fault("delay", 1, delay)
+            n += 1
+            assert worker.submit(f"{direction}-{n}", m, direction, ids)
+            ok = collect_all(worker, 1)[f"{direction}-{n}"]
+            if direction == "STORE":
+                exact = np.array_equal(pool, before)
+            else:
+                exact = ok and matches(pool, m, rank, ids)
+            conn.send((ok, exact))

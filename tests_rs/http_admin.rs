@@ -1,20 +1,30 @@
-//! The HTTP admin API: status JSON, Prometheus metrics, clear semantics.
+//! The HTTP admin API: status JSON, Prometheus metrics, clear semantics and
+//! its bearer token. (The limits against hostile clients are tested on a
+//! real `lmcache-rc serve` in tests_py/test_http_admin_limits.py.)
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 
-use lmcache_rc_core::http::{HttpAdmin, route};
-use lmcache_rc_core::protocol::Checkpoints;
-use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
+use lmcache_rc_core::Manifest;
+use lmcache_rc_core::http::{AdminConfig, AdminToken, HttpAdmin, Reply, Routes};
+use lmcache_rc_core::protocol::{
+    Capabilities, Checkpoints, ClearReport, GenerationInfo, ServiceStatus,
+};
+use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus};
 
 use crate::service_common::*;
 
 fn request(admin: &HttpAdmin, method: &str, path: &str) -> (u16, String) {
+    request_with(admin, method, path, "")
+}
+
+/// Sends one request with `extra` header lines; (status code, body).
+fn request_with(admin: &HttpAdmin, method: &str, path: &str, extra: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(admin.local_addr()).unwrap();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut text = String::new();
@@ -34,7 +44,7 @@ fn status_and_metrics_describe_the_service_over_http() {
     let m = manifest(&tokens, 1, 4096, 16);
     assert!(svc.begin(&m).unwrap());
     store_rank(&svc, &m, 0);
-    let admin = HttpAdmin::start("127.0.0.1", 0, svc.clone()).unwrap();
+    let admin = HttpAdmin::start(AdminConfig::new("127.0.0.1", 0), svc.clone()).unwrap();
     assert!(admin.local_addr().ip().is_loopback());
     let (code, body) = request(&admin, "GET", "/status");
     assert_eq!(code, 200);
@@ -61,23 +71,38 @@ fn status_and_metrics_describe_the_service_over_http() {
     assert!(body.trim_end().ends_with("# EOF"));
     assert_eq!(request(&admin, "GET", "/nope").0, 404);
     assert_eq!(request(&admin, "GET", "/clear").0, 405);
-    assert_eq!(request(&admin, "POST", "/clear?force=maybe").0, 400);
+    let auth = format!("Authorization: Bearer {}\r\n", admin.token().as_str());
+    assert_eq!(
+        request_with(&admin, "POST", "/clear?force=maybe", &auth).0,
+        400
+    );
     drop(admin);
     assert_idle(&svc);
+}
+
+/// Answers a clear through the routes, authorized.
+fn clear(routes: &Routes, token: &AdminToken, query: &str) -> Reply {
+    let auth = format!("Bearer {}", token.as_str());
+    routes.answer("POST", &format!("/clear{query}"), Some(auth.as_bytes()))
 }
 
 #[test]
 fn forced_clear_is_refused_with_409_while_a_lease_is_live() {
     let svc = Arc::new(CheckpointService::open(config("http-clear", None)).unwrap());
+    let token = AdminToken::generate().unwrap();
+    let routes = Routes::new(svc.clone(), token.clone());
     let m = manifest(&(0..30).collect::<Vec<u32>>(), 1, 4096, 16);
     assert!(svc.begin(&m).unwrap());
     let lease = svc.prepare_store(&m, 0).unwrap();
     assert_eq!(lease.status, LeaseStatus::Ready);
-    let (code, _, body) = route("POST", "/clear?force=true", &*svc);
-    assert_eq!(code, 409, "{body}");
-    let (code, _, body) = route("POST", "/clear?force=false", &*svc);
-    assert_eq!(code, 200, "{body}");
-    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let reply = clear(&routes, &token, "?force=true");
+    assert_eq!(reply.code, 409, "{}", reply.body);
+    let reply = clear(&routes, &token, "");
+    assert_eq!(reply.code, 409, "force omitted is forced: {}", reply.body);
+    let reply = clear(&routes, &token, "?force=false");
+    assert_eq!(reply.code, 200, "{}", reply.body);
+    let report: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!(report["force"], false);
     assert!(report["cleared"]["kept_objects"].as_u64().unwrap() >= 3);
     write_slots(&svc, &m, 0, &lease);
     assert!(
@@ -88,8 +113,163 @@ fn forced_clear_is_refused_with_409_while_a_lease_is_live() {
         retrieve_rank(&svc, &m, 0),
         "non-forced clear kept the leased pages"
     );
-    let (code, _, _) = route("POST", "/clear?force=true&all_tiers=true", &*svc);
-    assert_eq!(code, 200);
+    let reply = clear(&routes, &token, "?force=true&all_tiers=true");
+    assert_eq!(reply.code, 200);
     assert_eq!(svc.status().unwrap().values["l1_objects"], 0);
     assert_idle(&svc);
+}
+
+#[test]
+fn clear_with_force_omitted_is_forced_once_no_lease_is_live() {
+    let svc = Arc::new(CheckpointService::open(config("http-clear-default", None)).unwrap());
+    let token = AdminToken::generate().unwrap();
+    let routes = Routes::new(svc.clone(), token.clone());
+    let m = manifest(&(0..30).collect::<Vec<u32>>(), 1, 4096, 16);
+    assert!(svc.begin(&m).unwrap());
+    store_rank(&svc, &m, 0);
+    let reply = clear(&routes, &token, "");
+    assert_eq!(reply.code, 200, "{}", reply.body);
+    let report: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!(report["force"], true);
+    assert_eq!(report["all_tiers"], false);
+    assert_eq!(svc.status().unwrap().values["l1_objects"], 0);
+    assert_idle(&svc);
+}
+
+#[test]
+fn clear_without_the_bearer_token_is_401_and_clears_nothing() {
+    let svc = Arc::new(CheckpointService::open(config("http-clear-auth", None)).unwrap());
+    let m = manifest(&(0..40).collect::<Vec<u32>>(), 1, 4096, 16);
+    assert!(svc.begin(&m).unwrap());
+    store_rank(&svc, &m, 0);
+    let admin = HttpAdmin::start(AdminConfig::new("127.0.0.1", 0), svc.clone()).unwrap();
+    let wrong = "0".repeat(64);
+    for extra in [
+        String::new(),
+        format!("Authorization: Bearer {wrong}\r\n"),
+        format!("Authorization: Basic {}\r\n", admin.token().as_str()),
+        format!("Authorization: {}\r\n", admin.token().as_str()),
+    ] {
+        let (code, body) = request_with(&admin, "POST", "/clear?force=true&all_tiers=true", &extra);
+        assert_eq!(code, 401, "{extra:?}: {body}");
+        let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"], "Unauthorized");
+        assert!(
+            error["message"].as_str().unwrap().contains("Bearer"),
+            "{body}"
+        );
+    }
+    assert_eq!(
+        svc.status().unwrap().values["l1_objects"],
+        5,
+        "nothing cleared"
+    );
+    let auth = format!("Authorization: Bearer {}\r\n", admin.token().as_str());
+    let (code, body) = request_with(&admin, "POST", "/clear", &auth);
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(svc.status().unwrap().values["l1_objects"], 0);
+    drop(admin);
+    assert_idle(&svc);
+}
+
+#[test]
+fn the_admin_file_holds_url_and_token_0600_and_goes_on_stop() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("side.sock");
+    let file = lmcache_rc_core::http::admin_file_for(&socket);
+    let svc = Arc::new(CheckpointService::open(config("http-admin-file", None)).unwrap());
+    let mut cfg = AdminConfig::new("127.0.0.1", 0);
+    cfg.admin_file = Some(file.clone());
+    let mut admin = HttpAdmin::start(cfg, svc.clone()).unwrap();
+    assert_eq!(admin.admin_file(), Some(file.as_path()));
+    let meta = std::fs::metadata(&file).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    let held: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(held["url"], admin.url());
+    assert_eq!(held["token"], admin.token().as_str());
+    admin.stop();
+    assert!(!file.exists(), "a clean stop removes the admin file");
+    drop(admin);
+    assert_idle(&svc);
+}
+
+/// A service whose `status` panics while `panicking` is set; everything
+/// else is the real service.
+struct PanickingStatus {
+    inner: Arc<CheckpointService>,
+    panicking: std::sync::atomic::AtomicBool,
+}
+
+impl Checkpoints for PanickingStatus {
+    fn capabilities(&self) -> lmcache_rc_core::Result<Capabilities> {
+        Checkpoints::capabilities(&*self.inner)
+    }
+    fn find(&self, roots: &[lmcache_rc_core::Prefix]) -> lmcache_rc_core::Result<Option<Manifest>> {
+        self.inner.find(roots)
+    }
+    fn begin(&self, manifest: &Manifest) -> lmcache_rc_core::Result<bool> {
+        self.inner.begin(manifest)
+    }
+    fn abort(&self, generation: &str) -> lmcache_rc_core::Result<()> {
+        self.inner.abort(generation)
+    }
+    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
+        self.inner.prepare_store(manifest, rank)
+    }
+    fn finish_store(
+        &self,
+        lease_id: &str,
+        success: bool,
+        rank: Option<u32>,
+    ) -> lmcache_rc_core::Result<bool> {
+        self.inner.finish_store(lease_id, success, rank)
+    }
+    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
+        self.inner.begin_retrieve(manifest, rank)
+    }
+    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<Lease> {
+        self.inner.poll_retrieve(lease_id, rank)
+    }
+    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
+        self.inner.finish_retrieve(lease_id, rank)
+    }
+    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
+        self.inner.cancel_retrieve(lease_id, rank)
+    }
+    fn status(&self) -> lmcache_rc_core::Result<ServiceStatus> {
+        if self.panicking.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("injected: status panics");
+        }
+        self.inner.status()
+    }
+    fn clear(&self, force: bool, all_tiers: bool) -> lmcache_rc_core::Result<ClearReport> {
+        self.inner.clear(force, all_tiers)
+    }
+    fn list_generations(&self) -> lmcache_rc_core::Result<Vec<GenerationInfo>> {
+        self.inner.list_generations()
+    }
+}
+
+#[test]
+fn a_request_that_panics_answers_500_and_the_server_keeps_serving() {
+    let inner = Arc::new(CheckpointService::open(config("http-panic", None)).unwrap());
+    let svc = Arc::new(PanickingStatus {
+        inner: inner.clone(),
+        panicking: std::sync::atomic::AtomicBool::new(true),
+    });
+    let admin = HttpAdmin::start(AdminConfig::new("127.0.0.1", 0), svc.clone()).unwrap();
+    for path in ["/status", "/metrics", "/status"] {
+        let (code, body) = request(&admin, "GET", path);
+        assert_eq!(code, 500, "{body}");
+        let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"], "Internal");
+    }
+    svc.panicking
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let (code, body) = request(&admin, "GET", "/status");
+    assert_eq!(code, 200, "{body}");
+    drop(admin);
+    assert_idle(&inner);
 }

@@ -65,11 +65,11 @@ pub fn client(socket: &Path) -> Client {
     .unwrap()
 }
 
-/// The pool mapped the way a worker maps it: by the name and size the
-/// server announces.
+/// The pool mapped the way a worker maps it: the descriptor the handshake
+/// handed over, with the id and size the server announces.
 pub fn map_pool(client: &Client) -> ShmPool {
-    let caps = client.capabilities().unwrap();
-    ShmPool::open(&caps.shm_name, caps.pool_size).unwrap()
+    let (caps, fd) = client.share_pool().unwrap();
+    ShmPool::from_fd(fd, &caps.pool_id, caps.pool_size).unwrap()
 }
 
 /// prepare_store over RPC, retrying `busy` (hang guard).
@@ -265,4 +265,15 @@ pub fn assert_closed(s: &mut UnixStream) {
             Err(e) => panic!("connection not closed: {e}"),
         }
     }
+}
+
+/// A fake server's accepting welcome: a fresh pool's id, with its descriptor.
+pub fn send_welcome(stream: &UnixStream) {
+    let pool = ShmPool::create(4096).unwrap();
+    wire::send_frame_with_fd(
+        stream,
+        &wire::encode_welcome(wire::PROTOCOL_VERSION, pool.id()),
+        pool.as_fd(),
+    )
+    .unwrap();
 }

@@ -18,7 +18,7 @@ use lmcache_rc_core::service::LeaseStatus;
 use lmcache_rc_core::{ErrorKind, Manifest};
 
 use crate::rpc_common::*;
-use crate::service_common::{GroupSpec, NS, Role, build_manifest, seq, standard};
+use crate::service_common::{GroupSpec, HANG_GUARD, NS, Role, build_manifest, seq, standard};
 
 fn one_rank(tokens: &[u32], pages: u64) -> Manifest {
     build_manifest(
@@ -51,15 +51,31 @@ fn socket_is_mode_0600_in_a_new_directory_of_mode_0700() {
             .file_type()
             .is_socket()
     );
-    // No temporary bind name is left behind.
-    let entries: Vec<_> = std::fs::read_dir(socket.parent().unwrap())
+    // No temporary bind name is left behind; the instance lock is 0600.
+    let mut entries: Vec<_> = std::fs::read_dir(socket.parent().unwrap())
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
-    assert_eq!(entries, vec![std::ffi::OsString::from("s.sock")]);
+    entries.sort();
+    assert_eq!(
+        entries,
+        vec![
+            std::ffi::OsString::from("s.sock"),
+            std::ffi::OsString::from("s.sock.lock")
+        ]
+    );
+    assert_eq!(
+        mode(&socket.with_extension("sock.lock")),
+        0o600,
+        "lock file"
+    );
     let report = server.shutdown().unwrap();
     assert!(report.drained && report.close_error.is_none(), "{report:?}");
     assert!(!socket.exists(), "shutdown removes the socket");
+    assert!(
+        !socket.with_extension("sock.lock").exists(),
+        "and its lock file"
+    );
 }
 
 #[test]
@@ -88,10 +104,8 @@ fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
     let rig = rig("live");
     let c = client(&rig.socket);
     let caps = c.capabilities().unwrap();
-    // A second server on the same socket refuses before touching any pool.
-    let mut other = service_config("live2");
-    other.shm_name = caps.shm_name.clone();
-    let e = Server::open(other, ServerConfig::new(&rig.socket)).unwrap_err();
+    // A second server on the same socket refuses before opening a service.
+    let e = Server::open(service_config("live2"), ServerConfig::new(&rig.socket)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Io, "{e}");
     assert!(e.to_string().contains("another lmcache-rc server"), "{e}");
     assert_eq!(
@@ -100,7 +114,7 @@ fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
         "the live server is untouched"
     );
     let pool = map_pool(&c);
-    assert!(pool.is_current(), "its pool was not replaced");
+    assert_eq!(pool.id(), caps.pool_id, "its pool was not replaced");
 
     // A stale socket file (nothing listening) is replaced.
     let dir = tempfile::tempdir().unwrap();
@@ -110,6 +124,45 @@ fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
     let server = Server::open(service_config("stale"), ServerConfig::new(&stale)).unwrap();
     client(&stale).status().unwrap();
     drop(server);
+}
+
+#[test]
+fn a_server_holding_the_socket_lock_keeps_a_second_from_starting_until_it_is_gone() {
+    // A server still starting up (no socket yet, the lock taken) is seen by
+    // its lock: a racing second start refuses instead of taking the socket.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("race.sock");
+    let lock_path = dir.path().join("race.sock.lock");
+    let held = std::fs::File::create(&lock_path).unwrap();
+    rustix::fs::flock(&held, rustix::fs::FlockOperation::LockExclusive).unwrap();
+    let e = Server::open(service_config("race"), ServerConfig::new(&socket)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    assert!(
+        e.to_string()
+            .contains("another lmcache-rc server is running"),
+        "{e}"
+    );
+    assert!(!socket.exists(), "the refused server bound nothing");
+    // The holder dies (its lock goes with it): the lock file it left is reused.
+    drop(held);
+    assert!(lock_path.exists());
+    let server = Server::open(service_config("race2"), ServerConfig::new(&socket)).unwrap();
+    client(&socket).status().unwrap();
+    // A lock path that is a symlink is never followed.
+    let other = dir.path().join("elsewhere.sock");
+    std::os::unix::fs::symlink(
+        dir.path().join("target"),
+        dir.path().join("elsewhere.sock.lock"),
+    )
+    .unwrap();
+    let e = Server::open(service_config("link"), ServerConfig::new(&other)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    assert!(!dir.path().join("target").exists());
+    server.shutdown().unwrap();
+    assert!(
+        !lock_path.exists(),
+        "a stopped server removes its lock file"
+    );
 }
 
 /// A client that keeps calling while a test misbehaves; counts successes
@@ -562,4 +615,114 @@ fn connections_beyond_the_limit_are_refused_with_a_reason() {
     };
     c.status().unwrap();
     a.status().unwrap();
+}
+
+/// Issue 12, failure 4: a started frame that stalls is dropped after the
+/// frame timeout (its thread ends), and an idle connection between frames
+/// is kept.
+#[test]
+fn a_stalled_frame_closes_its_connection_after_the_frame_timeout() {
+    let rig = rig_with(service_config("stall"), |c| {
+        c.frame_timeout = Duration::from_millis(300)
+    });
+    let mut idle = raw_connect(&rig.socket);
+    let mut stalled = raw_connect(&rig.socket);
+    // The largest allowed length, one byte of it, then silence.
+    stalled
+        .write_all(&(wire::DEFAULT_MAX_FRAME as u32).to_le_bytes())
+        .unwrap();
+    stalled.write_all(&[0]).unwrap();
+    let (id, reply) = read_reply(&mut stalled).expect("a connection error");
+    assert_eq!(id, wire::CONNECTION_ERROR_ID);
+    assert_eq!(err_kind(&reply), "Protocol");
+    assert_closed(&mut stalled);
+    let status = rig.server.status().unwrap();
+    assert_eq!(status.values["rpc_frames_timed_out"], 1);
+    assert_eq!(status.values["rpc_buffered_bytes"], 0);
+    // The idle connection waited longer than the timeout and still works.
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, reply) = roundtrip(&mut idle, 7, &body(&Request::Status));
+    assert!(matches!(reply, Reply::Ok(_)), "{reply:?}");
+}
+
+/// Issue 12, failure 4: bytes of unfinished frames are bounded across all
+/// connections; the connection whose frame would exceed the bound is closed
+/// with `Unavailable`; small requests are still served.
+#[test]
+fn unfinished_frames_are_bounded_in_bytes_across_connections() {
+    let rig = rig_with(service_config("budget"), |c| {
+        c.max_frame = 1 << 20;
+        c.max_buffered_bytes = 2 << 20;
+    });
+    let chunk = vec![0u8; (1 << 20) - 100];
+    let mut held = Vec::new();
+    let mut refused = None;
+    for _ in 0..4 {
+        let mut s = raw_connect(&rig.socket);
+        s.write_all(&((1u32 << 20).to_le_bytes())).unwrap();
+        // Most of the frame, never its end.
+        if s.write_all(&chunk).is_err() {
+            refused = Some(s);
+            break;
+        }
+        let deadline = Instant::now() + HANG_GUARD;
+        while rig.server.status().unwrap().values["rpc_buffered_bytes"]
+            < (held.len() as u64 + 1) * (chunk.len() - wire::UNCHARGED_BYTES) as u64
+            && rig.server.status().unwrap().values["rpc_frames_over_budget"] == 0
+        {
+            assert!(Instant::now() < deadline, "the server never read the frame");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if rig.server.status().unwrap().values["rpc_frames_over_budget"] > 0 {
+            refused = Some(s);
+            break;
+        }
+        held.push(s);
+    }
+    let mut refused = refused.expect("a frame beyond the budget is refused");
+    assert_eq!(
+        held.len(),
+        2,
+        "two unfinished 1 MiB frames fill the 2 MiB budget"
+    );
+    let (id, reply) = read_reply(&mut refused).expect("a connection error");
+    assert_eq!(id, wire::CONNECTION_ERROR_ID);
+    assert_eq!(err_kind(&reply), "Unavailable");
+    let status = rig.server.status().unwrap();
+    assert!(status.values["rpc_buffered_bytes"] <= 2 << 20);
+    // Small requests are still served while the budget is held.
+    let c = client(&rig.socket);
+    c.status().unwrap();
+    drop(held);
+    let deadline = Instant::now() + HANG_GUARD;
+    while rig.server.status().unwrap().values["rpc_buffered_bytes"] > 0 {
+        assert!(Instant::now() < deadline, "closed frames keep their bytes");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Issue 12, failure 4: a length prefix alone allocates nothing; a frame's
+/// buffer grows as its bytes arrive.
+#[test]
+fn a_frame_buffer_grows_only_as_its_bytes_arrive() {
+    let budget = wire::ByteBudget::new(64 << 20);
+    let mut buf = wire::FrameBuffer::new(&budget);
+    let mut bytes = (32u32 << 20).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&[7u8; 1000]);
+    let bounds = wire::FrameBounds {
+        max_frame: 64 << 20,
+        frame_timeout: Duration::from_secs(5),
+    };
+    let e = wire::read_frame_bounded(&mut &bytes[..], &bounds, &mut buf).unwrap_err();
+    assert!(
+        matches!(e, wire::FrameError::Truncated { got: 1004, .. }),
+        "{e:?}"
+    );
+    assert!(
+        budget.used() <= 128 << 10,
+        "{} bytes held for 1000 received",
+        budget.used()
+    );
+    drop(buf);
+    assert_eq!(budget.used(), 0);
 }

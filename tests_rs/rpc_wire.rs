@@ -91,12 +91,14 @@ fn lease() -> impl Strategy<Value = WireLease> {
             0..4,
         ),
         proptest::option::of("[a-z_]{1,20}"),
+        proptest::option::of("[0-9a-f]{32}"),
     )
-        .prop_map(|(status, lease_id, slots, reason)| WireLease {
+        .prop_map(|(status, lease_id, slots, reason, pool_id)| WireLease {
             status,
             lease_id,
             slots,
             reason,
+            pool_id,
         })
 }
 
@@ -115,11 +117,11 @@ fn value() -> impl Strategy<Value = Value> {
             any::<u64>(),
             any::<bool>()
         )
-            .prop_map(|(f, p, shm_name, pool_size, durable_index)| {
+            .prop_map(|(f, p, pool_id, pool_size, durable_index)| {
                 Value::Capabilities(WireCapabilities {
                     format_version: f,
                     protocol_version: p,
-                    shm_name,
+                    pool_id,
                     pool_size,
                     durable_index,
                 })

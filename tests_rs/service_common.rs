@@ -1,4 +1,4 @@
-//! Helpers for service tests: unique pool names, manifests with schema-2
+//! Helpers for service tests: manifests with schema-2
 //! payloads, and a simulated worker that copies through lease slots.
 //!
 //! Every helper is generic over [`Target`]: the same scenario runs on the
@@ -8,7 +8,6 @@
 //! [`both_ways!`] runs it both ways (tests `name::in_process` and
 //! `name::over_the_socket`).
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use lmcache_rc_core::protocol::Checkpoints;
@@ -109,7 +108,7 @@ impl Target for CheckpointService {
 }
 
 /// A service behind a server on a private socket, driven through a client;
-/// the pool is the client's own mapping of the announced segment.
+/// the pool is the client's own mapping of the descriptor it was handed.
 pub struct Remote {
     client: Client,
     pool: ShmPool,
@@ -123,8 +122,8 @@ impl Target for Remote {
         let socket = dir.path().join("svc.sock");
         let server = Server::start(std::sync::Arc::new(service), ServerConfig::new(&socket))?;
         let client = Client::connect(&socket)?;
-        let caps = Checkpoints::capabilities(&client)?;
-        let pool = ShmPool::open(&caps.shm_name, caps.pool_size)?;
+        let (caps, fd) = client.share_pool()?;
+        let pool = ShmPool::from_fd(fd, &caps.pool_id, caps.pool_size)?;
         Ok(Remote {
             client,
             pool,
@@ -188,22 +187,10 @@ impl Checkpoints for Remote {
     }
 }
 
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-
-/// A unique SHM name for this test process.
-pub fn shm_name(tag: &str) -> String {
-    format!(
-        "lmrc-test-{}-{}-{}",
-        tag,
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// A small config: 4 MiB of L1, optional L2 directory, short timeouts.
-pub fn config(tag: &str, l2: Option<&std::path::Path>) -> ServiceConfig {
+/// A small config: 4 MiB of L1, optional L2 directory, short timeouts
+/// (`_tag` names the scenario in the caller, for readers).
+pub fn config(_tag: &str, l2: Option<&std::path::Path>) -> ServiceConfig {
     ServiceConfig {
-        shm_name: shm_name(tag),
         l1_bytes: 4 << 20,
         l2_path: l2.map(|p| p.to_path_buf()),
         store_admission_timeout: Duration::from_millis(300),
@@ -737,6 +724,22 @@ pub fn l2_files(root: &Path) -> (u64, u64) {
         }
     }
     (count, bytes)
+}
+
+/// What the L2 of a set of listed manifests takes on disk (count, bytes
+/// rounded up to the allocation unit of the filesystem holding `dir`), as
+/// `l2_objects` and `l2_bytes` report it.
+pub fn charged_l2<'a>(listed: impl IntoIterator<Item = &'a Manifest>, dir: &Path) -> (u64, u64) {
+    let unit = lmcache_rc_core::store::l2::allocation_unit(dir);
+    let mut union = BTreeMap::new();
+    for m in listed {
+        union.extend(key_sizes(m));
+    }
+    let bytes = union
+        .values()
+        .map(|&b| object_file_bytes(b).div_ceil(unit) * unit)
+        .sum();
+    (union.len() as u64, bytes)
 }
 
 /// The L2 files (count, bytes) a set of listed manifests needs.

@@ -1,6 +1,9 @@
 //! A process running the service is killed (SIGKILL) in the middle of
-//! storing; after a restart only complete, verified generations are listed
-//! (I1, I8) and every one restores byte-exact for every rank (spec §10).
+//! storing — while publishing, writing L2 objects or marking generations
+//! durable; after a restart only complete, verified generations are listed
+//! (I1, I8), every generation whose durable flag reached the directory is
+//! among them (its objects were fsynced before the flag was committed), and
+//! every listed one restores byte-exact for every rank (spec §10).
 //!
 //! The child is this test binary re-invoked with `LMRC_CRASH_CHILD` set, so
 //! that `child_loop` runs a store loop until it is killed.
@@ -10,6 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::index::{Directory, DirectoryConfig};
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 
@@ -44,9 +48,8 @@ fn crash_manifest(round: u32, i: u32) -> Manifest {
     build_manifest(&ns, &seq(round * 100_000, n), 2, &g, 2, "prompt")
 }
 
-fn crash_config(dir: &Path, shm: String) -> ServiceConfig {
+fn crash_config(dir: &Path) -> ServiceConfig {
     ServiceConfig {
-        shm_name: shm,
         l1_bytes: 8 << 20,
         retrieve_timeout: HANG_GUARD,
         ..durable_config("crash", dir)
@@ -60,11 +63,10 @@ fn child_loop() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
         return;
     };
-    let mut parts = spec.splitn(3, '|');
+    let mut parts = spec.splitn(2, '|');
     let round: u32 = parts.next().unwrap().parse().unwrap();
-    let shm = parts.next().unwrap().to_string();
     let dir = PathBuf::from(parts.next().unwrap());
-    let svc = CheckpointService::open(crash_config(&dir, shm)).unwrap();
+    let svc = CheckpointService::open(crash_config(&dir)).unwrap();
     for i in 0..PER_ROUND {
         let m = crash_manifest(round, i);
         if !svc.begin(&m).unwrap() {
@@ -78,6 +80,32 @@ fn child_loop() {
     }
     // Not killed in time: park so the parent still kills a live process.
     std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Generations whose durable flag is set in the directory file (opened on its
+/// own, before the service reconciles it).
+fn durable_flags(index: &Path) -> Vec<String> {
+    if !index.exists() {
+        return Vec::new();
+    }
+    let dir = Directory::open(Some(index), DirectoryConfig::default()).unwrap();
+    let mut flagged = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = dir.list(after.as_deref(), 256).unwrap();
+        flagged.extend(
+            page.generations
+                .into_iter()
+                .filter(|l| l.durable)
+                .map(|l| l.manifest.generation().to_owned()),
+        );
+        match page.next_after {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    dir.close().unwrap();
+    flagged
 }
 
 /// xorshift64 for the kill delays (the seed is printed).
@@ -98,16 +126,16 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         .as_nanos() as u64
         | 1;
     println!("service_crash seed {seed}");
-    let rounds = 10u32;
+    let rounds = 24u32;
     let mut total_listed = Vec::new();
+    let mut flagged_total = 0;
     for round in 0..rounds {
-        let shm = shm_name(&format!("crash{round}"));
         let delay = Duration::from_millis(20 + next(&mut seed) % 181);
         let stderr_path = dir.path().join(format!("child-{round}.stderr"));
         let mut child = Command::new(&exe)
             .args(["--exact", "service_crash::child_loop", "--nocapture"])
             .args(["--test-threads", "1"])
-            .env(CHILD_ENV, format!("{round}|{shm}|{}", dir.path().display()))
+            .env(CHILD_ENV, format!("{round}|{}", dir.path().display()))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&stderr_path).unwrap())
             .spawn()
@@ -118,15 +146,14 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         assert!(!status.success(), "the child was killed: {status:?}");
         let stderr = std::fs::read_to_string(&stderr_path).unwrap();
         assert!(!stderr.contains("panicked"), "the child failed: {stderr}");
-        // The killed child's pool segment is stale: remove it.
-        match rustix::shm::unlink(format!("/{shm}").as_str()) {
-            Ok(()) | Err(rustix::io::Errno::NOENT) => {}
-            Err(e) => panic!("unlink stale segment {shm}: {e}"),
-        }
+        // The killed child's pool had no name: nothing to clean up.
+
+        // The durable flags the killed child committed, read before the
+        // service reconciles anything.
+        let flagged = durable_flags(&dir.path().join("index.sqlite"));
 
         // Restart on the same directory and L2 files.
-        let svc =
-            CheckpointService::open(crash_config(dir.path(), shm_name("crash-parent"))).unwrap();
+        let svc = CheckpointService::open(crash_config(dir.path())).unwrap();
         assert_eq!(stat(&svc, "pending"), 0, "pending work never survives");
         let retired = stat(&svc, "restart_retired");
         assert_eq!(stat(&svc, "l1_objects"), 0);
@@ -144,6 +171,14 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
             listed.len() as u64,
             "only generations the children stored are listed"
         );
+        let kept: std::collections::BTreeSet<&str> =
+            listed.iter().map(Manifest::generation).collect();
+        for g in &flagged {
+            assert!(
+                kept.contains(g.as_str()),
+                "round {round}: {g} was marked durable but retired at restart"
+            );
+        }
         // Nothing but the listed generations' objects is on disk, and this
         // round's generations restore exactly (earlier rounds were checked
         // after their own restart, and all are checked again at the end).
@@ -156,10 +191,12 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         settle(&svc);
         assert_idle(&svc);
         println!(
-            "service_crash round {round}: killed after {delay:?}, {} generations listed, \
-             {retired} incomplete retired at restart",
-            listed.len()
+            "service_crash round {round}: killed after {delay:?}, {} generations listed \
+             ({} flagged durable), {retired} incomplete retired at restart",
+            listed.len(),
+            flagged.len()
         );
+        flagged_total += flagged.len();
         total_listed = listed;
         svc.close().unwrap();
     }
@@ -167,7 +204,8 @@ fn only_complete_verified_generations_survive_sigkill_mid_store() {
         !total_listed.is_empty(),
         "no child stored anything before its kill"
     );
-    let svc = CheckpointService::open(crash_config(dir.path(), shm_name("crash-final"))).unwrap();
+    assert!(flagged_total > 0, "no child marked anything durable");
+    let svc = CheckpointService::open(crash_config(dir.path())).unwrap();
     assert_eq!(stat(&svc, "generations"), total_listed.len() as u64);
     for m in &total_listed {
         restore_all(&svc, m);

@@ -41,7 +41,7 @@ fn publication_waits_for_the_last_rank_and_every_rank_restores_exact_shared_byte
     let svc = T::open(config("sc-roundtrip", None)).unwrap();
     let caps = svc.capabilities().unwrap();
     assert_eq!(caps.format_version, 1);
-    assert_eq!(caps.shm_name, svc.pool().name());
+    assert_eq!(caps.pool_id, svc.pool().id());
     assert_eq!(caps.pool_size, 4 << 20);
     assert!(!caps.durable_index);
 

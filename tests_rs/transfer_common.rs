@@ -7,6 +7,7 @@
 
 use std::alloc::Layout;
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use lmcache_rc_core::protocol::{Checkpoints, MissReason};
+use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease, LeaseStatus};
 use lmcache_rc_core::transfer::{
     CpuBackend, Direction, EngineConfig, Job, JobHandle, LeaseAnswer, LeaseApi, LeaseCall, Outcome,
@@ -682,11 +683,12 @@ impl ReplyHandle for Edited {
 }
 
 impl LeaseApi for Scripted {
-    fn capabilities(&self) -> Result<Capabilities> {
-        match self.caps.lock().clone() {
-            Some(c) => Ok(c),
-            None => self.inner.capabilities(),
-        }
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        let (caps, fd) = self.inner.share_pool()?;
+        Ok((self.caps.lock().clone().unwrap_or(caps), fd))
+    }
+    fn pool_id(&self) -> Result<String> {
+        self.inner.pool_id()
     }
 
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
@@ -711,29 +713,13 @@ impl LeaseApi for Scripted {
             }),
             Step::LateFail(n, kind) => given(Err((kind, format!("scripted {op} failure"))), n),
             Step::Fail(kind) => given(Err((kind, format!("scripted {op} failure"))), 0),
-            Step::Busy => given(
-                Ok(LeaseAnswer::Lease(Lease {
-                    status: LeaseStatus::Busy,
-                    lease_id: None,
-                    slots: Vec::new(),
-                    reason: Some(MissReason::Busy),
-                })),
-                0,
-            ),
+            Step::Busy => given(Ok(LeaseAnswer::Lease(Lease::busy())), 0),
             Step::Pending => {
                 let id = match &call {
-                    LeaseCall::PollRetrieve { lease_id } => lease_id.clone(),
+                    LeaseCall::PollRetrieve { lease_id, .. } => lease_id.clone(),
                     _ => "scripted-pending".to_string(),
                 };
-                given(
-                    Ok(LeaseAnswer::Lease(Lease {
-                        status: LeaseStatus::Pending,
-                        lease_id: Some(id),
-                        slots: Vec::new(),
-                        reason: None,
-                    })),
-                    0,
-                )
+                given(Ok(LeaseAnswer::Lease(Lease::pending(id))), 0)
             }
             Step::Edit(edit) => Box::new(Edited {
                 inner: self.inner.call(call),

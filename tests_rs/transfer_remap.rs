@@ -20,7 +20,7 @@ use lmcache_rc_core::transfer::Direction;
 use crate::rpc_common::{assert_idle, client, service_config};
 use crate::transfer_common::*;
 
-/// A socket in a private directory and a service config with a fixed pool name.
+/// A socket in a private directory and a service config.
 fn setup(tag: &str) -> (tempfile::TempDir, PathBuf, ServiceConfig) {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("sidecar.sock");
@@ -48,23 +48,19 @@ fn a_sidecar_restart_between_leases_remaps_the_pool() {
     assert!(ctl.begin(&before).unwrap());
     assert_eq!(worker.store(&before, 0, 1).kind, "copied");
     assert_eq!(worker.engine.stats().mappings, 1, "same pool, same mapping");
-    let old_identity = ShmPool::open(&config.shm_name, ctl.capabilities().unwrap().pool_size)
-        .unwrap()
-        .identity();
+    let old_id = ctl.capabilities().unwrap().pool_id;
+    assert_eq!(worker.engine.capabilities().unwrap().pool_id, old_id);
     stop(first);
 
-    // A new sidecar on the same socket recreates the pool under the same name.
+    // A new sidecar on the same socket creates a new pool, with a new id.
     let second = open(&config, &socket);
     let caps = ctl.capabilities().unwrap();
-    assert_eq!(caps.shm_name, config.shm_name);
-    let new_identity = ShmPool::open(&caps.shm_name, caps.pool_size)
-        .unwrap()
-        .identity();
-    assert_ne!(new_identity, old_identity, "a new segment");
+    assert_ne!(caps.pool_id, old_id, "a new pool");
     let after = tgen(2_000, 40, 1);
     assert!(ctl.begin(&after).unwrap());
     assert_eq!(worker.store(&after, 0, 10).kind, "copied");
     assert_eq!(worker.engine.stats().mappings, 2, "mapped again");
+    assert_eq!(worker.engine.capabilities().unwrap().pool_id, caps.pool_id);
     worker.pool.fill(0);
     assert_eq!(worker.retrieve(&after, 0, 10).kind, "copied");
     check_rows(&worker.pool, &after, 0, &blocks(&after, 10));
@@ -91,7 +87,7 @@ fn a_pool_replaced_before_the_copy_fails_the_lease() {
     let m = tgen(3_000, 40, 1);
 
     // Between the engine's mapping and its prepare_store, the sidecar
-    // restarts (same socket, same pool name) and the generation is staged
+    // restarts (same socket, a new pool) and the generation is staged
     // on the new one, so the lease comes from the new pool.
     let (slot, cfg, sock, staged) = (server.clone(), config.clone(), socket.clone(), m.clone());
     api.hook("prepare_store", move || {
@@ -112,8 +108,8 @@ fn a_pool_replaced_before_the_copy_fails_the_lease() {
     let ctl = client(&socket);
     assert_eq!(ctl.find(std::slice::from_ref(m.prefix())).unwrap(), None);
     assert_idle(&ctl);
-    let caps = ctl.capabilities().unwrap();
-    let fresh = ShmPool::open(&caps.shm_name, caps.pool_size).unwrap();
+    let (caps, fd) = ctl.share_pool().unwrap();
+    let fresh = ShmPool::from_fd(fd, &caps.pool_id, caps.pool_size).unwrap();
     let mut bytes = vec![0u8; caps.pool_size as usize];
     fresh.read_at(0, &mut bytes).unwrap();
     assert!(bytes.iter().all(|b| *b == 0), "the new pool was written");

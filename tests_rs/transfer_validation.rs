@@ -236,7 +236,8 @@ fn a_lease_is_checked_against_the_pool_the_capabilities_name() {
     let lease = svc.prepare_store(&m, 0).unwrap();
     assert_eq!(lease.status, LeaseStatus::Ready);
     let caps = svc.capabilities();
-    let pool = ShmPool::open(&caps.shm_name, caps.pool_size).unwrap();
+    let pool =
+        ShmPool::from_fd(svc.pool().share().unwrap(), &caps.pool_id, caps.pool_size).unwrap();
     let schema = m.payload_schema().unwrap();
     let b = blocks(&m, 1);
     let layout = PageLayout::pool(SHAPE).unwrap();
@@ -248,16 +249,10 @@ fn a_lease_is_checked_against_the_pool_the_capabilities_name() {
     assert_eq!(ok.pages.len(), PAGES as usize);
     assert_eq!(ok.skipped, 0);
     assert_eq!(ok.bytes(), PAGES * PAGE);
-    // A leading '/' names the same pool.
-    let slash = lmcache_rc_core::service::Capabilities {
-        shm_name: format!("/{}", caps.shm_name),
-        ..caps.clone()
-    };
-    assert_eq!(plan_with(&slash).unwrap(), ok);
-    // A foreign name or size is refused.
+    // A foreign id or size is refused.
     for foreign in [
         lmcache_rc_core::service::Capabilities {
-            shm_name: format!("{}-other", caps.shm_name),
+            pool_id: "0".repeat(32),
             ..caps.clone()
         },
         lmcache_rc_core::service::Capabilities {
@@ -280,6 +275,20 @@ fn a_lease_is_checked_against_the_pool_the_capabilities_name() {
         plan_with(&v2).unwrap_err().kind(),
         ErrorKind::UnsupportedFormat
     );
+    // A lease whose slots are in another pool (or names none) is refused.
+    for pool_id in [Some("f".repeat(32)), None] {
+        let other = lmcache_rc_core::service::Lease {
+            pool_id,
+            ..lease.clone()
+        };
+        let e = plan::plan_copy(Direction::Store, &schema, &b, &groups, &other, &caps, &pool)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+        assert!(
+            e.to_string().contains("does not identify this SHM pool"),
+            "{e}"
+        );
+    }
     svc.finish_store(lease.lease_id.as_deref().unwrap(), false, None)
         .unwrap();
     assert_idle(&svc);
@@ -299,10 +308,10 @@ fn an_engine_refuses_to_start_on_a_pool_the_capabilities_misdescribe() {
         ),
         (
             lmcache_rc_core::service::Capabilities {
-                shm_name: format!("{}-missing", caps.shm_name),
+                pool_id: String::new(),
                 ..caps.clone()
             },
-            ErrorKind::NotFound,
+            ErrorKind::InvalidInput,
         ),
         (
             lmcache_rc_core::service::Capabilities {
@@ -320,11 +329,8 @@ fn an_engine_refuses_to_start_on_a_pool_the_capabilities_misdescribe() {
         assert_eq!(e.kind(), kind, "{bad:?}: {e}");
     }
     assert!(api.calls().is_empty());
-    // A leading '/' is the same pool.
-    api.set_caps(Some(lmcache_rc_core::service::Capabilities {
-        shm_name: format!("/{}", caps.shm_name),
-        ..caps.clone()
-    }));
+    // Described truly, the pool maps.
+    api.set_caps(None);
     let worker = Worker::scripted(&api, SLOW);
     let m = tgen(4_000, 40, 1);
     begin(&svc, &m);

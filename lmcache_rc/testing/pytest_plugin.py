@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,7 +55,6 @@ def lmcache_rc_server(lmcache_rc_server_config: dict[str, Any]) -> Iterator[rc.S
     directory = tempfile.mkdtemp(prefix="lmrc-")
     values: dict[str, Any] = {
         "socket": os.path.join(directory, "sidecar.sock"),
-        "shm_name": f"lmrc-test-{os.getpid()}-{uuid.uuid4().hex[:12]}",
         "l1_bytes": 32 << 20,
         "store_admission_timeout": 2.0,
     }

@@ -179,7 +179,6 @@ fn main() {
     let generations: u32 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(10_000);
     let dir = tempfile::tempdir().expect("tempdir");
     let svc = CheckpointService::open(ServiceConfig {
-        shm_name: format!("lmrc-rpc-bench-{}", std::process::id()),
         l1_bytes: (u64::from(generations) * 4096 + (8 << 20)).next_multiple_of(4096),
         max_entries: u64::from(generations) * 2,
         ..ServiceConfig::default()

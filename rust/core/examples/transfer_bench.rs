@@ -137,7 +137,6 @@ fn main() {
     let mut dst = vec![0u8; src.len()];
     let dir = tempfile::tempdir().expect("tempdir");
     let service = ServiceConfig {
-        shm_name: format!("lmrc-transfer-bench-{}", std::process::id()),
         l1_bytes: bytes as u64 + (16 << 20),
         ..ServiceConfig::default()
     };

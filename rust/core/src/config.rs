@@ -15,9 +15,10 @@ use std::path::{Path as FsPath, PathBuf};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::http;
 use crate::rpc;
 use crate::service::ServiceConfig;
-use crate::store::shm::{default_l1_bytes, shm_name_for};
+use crate::store::shm::default_l1_bytes;
 
 /// What kind of value a setting holds (also how the CLI parses it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,8 +225,8 @@ macro_rules! sidecar_config {
                 },
             )*];
 
-            /// The defaults, before the pool name is derived.
-            fn unresolved() -> SidecarConfig {
+            /// The defaults.
+            fn defaults() -> SidecarConfig {
                 SidecarConfig {
                     $($name: $default,)*
                 }
@@ -277,11 +278,11 @@ sidecar_config! {
     /// Unix socket the sidecar listens on (created with mode 0600); default:
     /// `$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock`, else `/tmp/lmcache-rc-<uid>/`.
     socket: Path = rpc::default_socket_path();
-    /// POSIX shared-memory pool name; default: derived from the socket path,
-    /// so two servers on one host never collide.
+    /// Deprecated and ignored: the pool has no name any more (an anonymous
+    /// memfd handed to each client over the socket, nothing in /dev/shm).
     shm_name: Text optional = None;
     /// Size of the shared-memory (L1) pool in bytes, a multiple of 4096;
-    /// default: a quarter of the free space of /dev/shm, at most 1 GiB.
+    /// default: a quarter of the available memory, at most 1 GiB.
     l1_bytes: Bytes = default_l1_bytes();
     /// SQLite file of the durable directory; default: none (the directory
     /// lives in memory and is lost at exit).
@@ -295,10 +296,19 @@ sidecar_config! {
     /// Port of the HTTP admin API: 0 picks a free port (the default), -1
     /// turns the API off.
     http_port: Signed = 0;
+    /// Most HTTP admin connections open at once; a new one beyond displaces
+    /// the oldest connection that is not answering a request.
+    http_max_connections: Count = http::AdminConfig::DEFAULT_MAX_CONNECTIONS as u64;
+    /// How long an HTTP admin connection may take to send a request head,
+    /// or stay silent between requests, before it is closed.
+    http_idle_timeout: Seconds = http::AdminConfig::DEFAULT_IDLE_TIMEOUT;
     /// Most published generations listed (least recently used beyond).
     max_entries: Count = ServiceConfig::default().max_entries;
     /// Most generations pending publication at once.
     max_pending: Count = ServiceConfig::default().max_pending;
+    /// Most bytes the manifests of pending generations hold in memory at
+    /// once (a manifest may be 16 MiB); `begin` answers false beyond it.
+    max_pending_bytes: Bytes = ServiceConfig::default().max_pending_bytes;
     /// Most live worker leases (store + retrieve).
     max_leases: Count = ServiceConfig::default().max_leases as u64;
     /// How long a store waits for L1 space before missing.
@@ -312,8 +322,17 @@ sidecar_config! {
     l2_io_threads: Count = ServiceConfig::default().l2_io_threads as u64;
     /// How long a stopping server lets live leases finish.
     drain_timeout: Seconds = rpc::ServerConfig::new("").drain_timeout;
-    /// Most RPC connections served at once (more are refused).
+    /// Most RPC connections served at once (more are refused); lowered at
+    /// start to what the open-file limit allows beside 256 descriptors kept
+    /// for L2 and the directory.
     max_connections: Count = rpc::ServerConfig::new("").max_connections as u64;
+    /// A request frame that started arriving must arrive whole within this
+    /// time, or its connection is closed (idle connections are kept).
+    rpc_frame_timeout: Seconds = rpc::ServerConfig::new("").frame_timeout;
+    /// Bytes of incoming request frames buffered across all RPC connections;
+    /// a frame beyond it closes its connection (at least the 64 MiB frame
+    /// limit).
+    rpc_max_buffered_bytes: Bytes = rpc::ServerConfig::new("").max_buffered_bytes as u64;
 }
 
 /// The prefix of the environment variables that set a sidecar's settings.
@@ -321,29 +340,25 @@ pub const ENV_PREFIX: &str = "LMCACHE_RC_";
 
 impl Default for SidecarConfig {
     fn default() -> Self {
-        let mut config = SidecarConfig::unresolved();
-        config.resolve();
-        config
+        SidecarConfig::defaults()
     }
 }
 
 impl SidecarConfig {
-    /// The defaults with `values` set by name (None = absent), the pool
-    /// name derived from the socket unless given, validated.
+    /// The defaults with `values` set by name (None = absent), validated.
     pub fn from_values(
         values: impl IntoIterator<Item = (String, Option<FieldValue>)>,
     ) -> Result<SidecarConfig> {
-        let mut config = SidecarConfig::unresolved();
+        let mut config = SidecarConfig::defaults();
         for (name, value) in values {
             config.set(&name, value)?;
         }
-        config.resolve();
         config.validate()?;
         Ok(config)
     }
 
     /// The defaults, then every `LMCACHE_RC_<NAME>` environment variable,
-    /// then `overrides`; resolved and validated like [`Self::from_values`].
+    /// then `overrides`; validated like [`Self::from_values`].
     pub fn from_env(
         overrides: impl IntoIterator<Item = (String, Option<FieldValue>)>,
     ) -> Result<SidecarConfig> {
@@ -365,41 +380,57 @@ impl SidecarConfig {
         Self::from_values(values)
     }
 
-    /// Derives the pool name from the socket when none is set.
-    fn resolve(&mut self) {
-        if self.shm_name.is_none() {
-            self.shm_name = Some(shm_name_for(&self.socket));
-        }
-    }
-
     /// Refuses settings no server could start with.
     fn validate(&self) -> Result<()> {
+        if self.rpc_frame_timeout.is_zero() {
+            return Err(Error::invalid("rpc_frame_timeout must be positive"));
+        }
+        if self.rpc_max_buffered_bytes < rpc::wire::DEFAULT_MAX_FRAME as u64 {
+            return Err(Error::invalid(format!(
+                "rpc_max_buffered_bytes must be at least the {}-byte frame limit, got {}",
+                rpc::wire::DEFAULT_MAX_FRAME,
+                self.rpc_max_buffered_bytes
+            )));
+        }
         if self.l1_bytes == 0 || self.l1_bytes % 4096 != 0 {
             return Err(Error::invalid(format!(
                 "l1_bytes must be a positive multiple of 4096, got {}",
                 self.l1_bytes
             )));
         }
+        if self.http_max_connections == 0 {
+            return Err(Error::invalid("http_max_connections must be at least 1"));
+        }
+        if self.http_idle_timeout.is_zero() {
+            return Err(Error::invalid("http_idle_timeout must be positive"));
+        }
         Ok(())
     }
 
-    /// The pool name (derived from the socket when none was set).
-    pub fn shm_name(&self) -> String {
-        self.shm_name
-            .clone()
-            .unwrap_or_else(|| shm_name_for(&self.socket))
+    /// Why settings given are obsolete (each is ignored), for the caller
+    /// to warn about.
+    pub fn deprecations(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(name) = &self.shm_name {
+            out.push(format!(
+                "--shm-name / shm_name ({name:?}) is deprecated and ignored: the shared-memory \
+                 pool is an anonymous memfd handed to clients over the socket, so nothing is \
+                 named in /dev/shm"
+            ));
+        }
+        out
     }
 
     /// The service's part of the settings.
     pub fn service_config(&self) -> Result<ServiceConfig> {
         Ok(ServiceConfig {
-            shm_name: self.shm_name(),
             l1_bytes: self.l1_bytes,
             l2_path: self.l2_path.clone(),
             l2_bytes: self.l2_bytes,
             checkpoint_index_path: self.checkpoint_index_path.clone(),
             max_entries: self.max_entries,
             max_pending: self.max_pending,
+            max_pending_bytes: self.max_pending_bytes,
             max_leases: usize_of("max_leases", self.max_leases)?,
             store_admission_timeout: self.store_admission_timeout,
             retrieve_timeout: self.retrieve_timeout,
@@ -412,21 +443,16 @@ impl SidecarConfig {
     /// layer. `temp_socket` chooses where it listens: None = in a fresh
     /// private temporary directory when the socket is the default one, else
     /// on the configured socket; false = always on the configured socket;
-    /// true = always in a fresh temporary directory. In a temporary
-    /// directory a pool name derived from the configured socket is derived
-    /// from the new socket instead, so embedded servers never collide with a
-    /// sidecar or with each other.
+    /// true = always in a fresh temporary directory, so embedded servers
+    /// never collide with a sidecar or with each other.
     pub fn server_configs(
         &self,
         temp_socket: Option<bool>,
     ) -> Result<(ServiceConfig, rpc::ServerConfig)> {
-        let mut service = self.service_config()?;
+        let service = self.service_config()?;
         let temp = temp_socket.unwrap_or_else(|| self.socket == rpc::default_socket_path());
         let mut server = if temp {
             let path = rpc::temp_socket_path()?;
-            if service.shm_name == shm_name_for(&self.socket) {
-                service.shm_name = shm_name_for(&path);
-            }
             let mut c = rpc::ServerConfig::new(path);
             c.remove_dir_on_stop = true;
             c
@@ -435,11 +461,16 @@ impl SidecarConfig {
         };
         server.drain_timeout = self.drain_timeout;
         server.max_connections = usize_of("max_connections", self.max_connections)?;
+        server.frame_timeout = self.rpc_frame_timeout;
+        server.max_buffered_bytes =
+            usize_of("rpc_max_buffered_bytes", self.rpc_max_buffered_bytes)?;
         Ok((service, server))
     }
 
-    /// Where the HTTP admin API listens (None: turned off).
-    pub fn http_bind(&self) -> Result<Option<(String, u16)>> {
+    /// The HTTP admin API's settings for a server listening on `socket`
+    /// (its admin file goes beside it: [`http::admin_file_for`]); None when
+    /// the API is turned off (`http_port` -1).
+    pub fn http_config(&self, socket: &FsPath) -> Result<Option<http::AdminConfig>> {
         if self.http_port < 0 {
             return Ok(None);
         }
@@ -449,7 +480,11 @@ impl SidecarConfig {
                 self.http_port
             ))
         })?;
-        Ok(Some((self.http_host.clone(), port)))
+        let mut config = http::AdminConfig::new(self.http_host.clone(), port);
+        config.max_connections = usize_of("http_max_connections", self.http_max_connections)?;
+        config.idle_timeout = self.http_idle_timeout;
+        config.admin_file = Some(http::admin_file_for(socket));
+        Ok(Some(config))
     }
 
     /// The socket path (for messages).
@@ -494,7 +529,13 @@ mod tests {
         let c = set("abandoned_after", None).unwrap();
         assert_eq!(c.abandoned_after, None);
         let c = set("socket", Some(FieldValue::Path("/tmp/x.sock".into()))).unwrap();
-        assert_eq!(c.shm_name(), shm_name_for(FsPath::new("/tmp/x.sock")));
+        assert!(c.deprecations().is_empty());
+        let c = set("shm_name", Some(FieldValue::Text("old".into()))).unwrap();
+        assert_eq!(
+            c.deprecations().len(),
+            1,
+            "an old pool name is accepted and ignored"
+        );
     }
 
     #[test]

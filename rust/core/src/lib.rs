@@ -7,10 +7,13 @@
 //! - [`manifest`]: manifests and payload page-group validation;
 //! - [`index`]: the durable SQLite directory of published generations;
 //! - [`json`]: CPython-compatible canonical JSON for identity hashing;
+//! - [`limits`]: process resource floors (open-file limit, descriptor reserve);
+//! - [`private`]: ownership, link and mode checks of the paths a sidecar keeps;
 //! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
+//! - [`peer`]: the local processes behind connections, and whether they live;
 //! - `shared` (feature `shared-tier`): the tier shared across hosts on an object store;
 //! - [`transfer`]: worker copies between a page pool and shared memory;
 //! - [`error`]: the crate's one error enum.
@@ -25,7 +28,10 @@ pub mod http;
 pub mod identity;
 pub mod index;
 pub mod json;
+pub mod limits;
 pub mod manifest;
+pub mod peer;
+pub mod private;
 pub mod protocol;
 pub mod rpc;
 pub mod service;

@@ -235,14 +235,8 @@ pub fn default_socket_path() -> std::ffi::OsString {
     lmcache_rc_core::rpc::default_socket_path().into_os_string()
 }
 
-/// The default L1 pool size (a quarter of /dev/shm's free space, ≤ 1 GiB).
+/// The default L1 pool size (a quarter of the available memory, ≤ 1 GiB).
 #[pyfunction]
 pub fn default_l1_bytes() -> u64 {
     lmcache_rc_core::store::shm::default_l1_bytes()
-}
-
-/// The pool name derived from a socket path (unique per server).
-#[pyfunction]
-pub fn shm_name_for(socket: PathBuf) -> String {
-    lmcache_rc_core::store::shm::shm_name_for(&socket)
 }

@@ -1,5 +1,11 @@
 //! `rc.Directory`: the durable checkpoint directory on its own (DESIGN §6).
 //! Every method runs with the GIL released (they all touch SQLite).
+//!
+//! The lookup path (`find`, `ancestors`) copies nothing: a `TokenRoots` is
+//! read in place (its roots are never built as `Prefix` objects), and an
+//! iterable of `Prefix` is borrowed from the frozen Python objects, which this
+//! call keeps alive while the GIL is released. What is left of a call is the
+//! argument check, one GIL release and one `Manifest` object for the answer.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,7 +16,7 @@ use pyo3::types::{PyBool, PyDict, PyList};
 
 use crate::errors::{IntoPyResult, invalid};
 use crate::fork::Owned;
-use crate::identity::{PyManifest, PyPrefix};
+use crate::identity::{PyManifest, PyPrefix, PyTokenRoots};
 
 /// Reads a capacity: a positive int (bool and float refused, as the reference does).
 fn capacity(value: &Bound<'_, PyAny>) -> PyResult<u64> {
@@ -23,17 +29,30 @@ fn capacity(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     }
 }
 
-fn prefixes(roots: &Bound<'_, PyAny>) -> PyResult<Vec<lmcache_rc_core::Prefix>> {
-    roots
-        .try_iter()?
-        .map(|r| {
-            let r = r?;
-            let p = r.cast::<PyPrefix>().map_err(|_| {
-                crate::errors::invalid_type("find takes an iterable of lmcache_rc.Prefix")
-            })?;
-            Ok(p.get().inner.clone())
-        })
-        .collect()
+/// The query of `find` / `ancestors`: a `TokenRoots` (read in place) or the
+/// `Prefix` objects of an iterable (held, and borrowed without copying).
+enum Roots<'py> {
+    Tokens(Bound<'py, PyTokenRoots>),
+    Prefixes(Vec<Bound<'py, PyPrefix>>),
+}
+
+impl<'py> Roots<'py> {
+    fn extract(roots: &Bound<'py, PyAny>, method: &str) -> PyResult<Self> {
+        if let Ok(tokens) = roots.cast::<PyTokenRoots>() {
+            return Ok(Roots::Tokens(tokens.clone()));
+        }
+        let wrong = || {
+            crate::errors::invalid_type(format!(
+                "{method} takes lmcache_rc.TokenRoots or an iterable of lmcache_rc.Prefix"
+            ))
+        };
+        let items = roots.try_iter().map_err(|_| wrong())?;
+        let mut prefixes = Vec::with_capacity(roots.len().unwrap_or(0));
+        for item in items {
+            prefixes.push(item?.cast_into::<PyPrefix>().map_err(|_| wrong())?);
+        }
+        Ok(Roots::Prefixes(prefixes))
+    }
 }
 
 /// The directory of published generations (path None = in memory).
@@ -114,10 +133,19 @@ impl PyDirectory {
     /// The longest published generation matching the roots, or None.
     fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Option<PyManifest>> {
         let dir = self.inner.get()?;
-        let roots = prefixes(roots)?;
-        py.detach(|| dir.find(&roots))
-            .py()
-            .map(|m| m.map(PyManifest::wrap))
+        let found = match Roots::extract(roots, "find")? {
+            Roots::Tokens(tokens) => {
+                // Frozen: the roots are immutable and `tokens` keeps them alive.
+                let tokens = &tokens.get().inner;
+                py.detach(|| dir.find_roots(tokens))
+            }
+            Roots::Prefixes(held) => {
+                let queries: Vec<&lmcache_rc_core::Prefix> =
+                    held.iter().map(|p| &p.get().inner).collect();
+                py.detach(|| dir.find(&queries))
+            }
+        };
+        found.py().map(|m| m.map(PyManifest::wrap))
     }
 
     /// Published manifest of a generation, or None (no recency refresh).
@@ -136,8 +164,18 @@ impl PyDirectory {
         below_tokens: u64,
     ) -> PyResult<Vec<PyManifest>> {
         let dir = self.inner.get()?;
-        let roots = prefixes(roots)?;
-        py.detach(|| dir.ancestors(&roots, below_tokens))
+        let found = match Roots::extract(roots, "ancestors")? {
+            Roots::Tokens(tokens) => {
+                let tokens = &tokens.get().inner;
+                py.detach(|| dir.ancestors_roots(tokens, below_tokens))
+            }
+            Roots::Prefixes(held) => {
+                let queries: Vec<&lmcache_rc_core::Prefix> =
+                    held.iter().map(|p| &p.get().inner).collect();
+                py.detach(|| dir.ancestors(&queries, below_tokens))
+            }
+        };
+        found
             .py()
             .map(|ms| ms.into_iter().map(PyManifest::wrap).collect())
     }
@@ -146,6 +184,14 @@ impl PyDirectory {
     fn invalidate(&self, py: Python<'_>, generation: &str) -> PyResult<bool> {
         let dir = self.inner.get()?;
         py.detach(|| dir.invalidate(generation)).py()
+    }
+
+    /// Marks published generations durable (their payload objects are on
+    /// disk) in one synced transaction shared with concurrent callers;
+    /// per input, whether it is published.
+    fn mark_durable(&self, py: Python<'_>, generations: Vec<String>) -> PyResult<Vec<bool>> {
+        let dir = self.inner.get()?;
+        py.detach(|| dir.mark_durable(&generations)).py()
     }
 
     /// Published generations with durability and bytes, ordered by id.
@@ -188,6 +234,8 @@ impl PyDirectory {
         d.set_item("dirty_recency", s.dirty_recency)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("invalid_rows", s.invalid_rows)?;
+        d.set_item("durability_fsyncs", s.durability_fsyncs)?;
+        d.set_item("publish_transactions", s.publish_transactions)?;
         Ok(d)
     }
 

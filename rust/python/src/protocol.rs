@@ -109,7 +109,7 @@ pub(crate) fn capabilities_dict(py: Python<'_>, c: Capabilities) -> PyResult<Bou
     let d = PyDict::new(py);
     d.set_item("format_version", c.format_version)?;
     d.set_item("protocol_version", c.protocol_version)?;
-    d.set_item("shm_name", c.shm_name)?;
+    d.set_item("pool_id", c.pool_id)?;
     d.set_item("pool_size", c.pool_size)?;
     d.set_item("durable_index", c.durable_index)?;
     Ok(d)
@@ -154,7 +154,7 @@ macro_rules! checkpoint_pymethods {
     ($class:ty, $api:ident, { $($own:tt)* }) => {
         $crate::protocol::checkpoint_pymethods!(@methods $class, $api,
             no_args: [
-                /// format_version, protocol_version, shm_name, pool_size, durable_index.
+                /// format_version, protocol_version, pool_id, pool_size, durable_index.
                 capabilities / capabilities_async;
                 /// Counters and gauges (over RPC: plus the RPC layer's); every
                 /// value an integer, `misses` a map reason -> count.
@@ -304,22 +304,31 @@ macro_rules! checkpoint_pymethods {
                 Ok($crate::protocol::start(py, || api.finish_store_async(lease_id, success, rank)))
             }
 
-            /// Drops L1 copies (and L2 files with all_tiers); `force` is
-            /// refused with LeasesLive while leases are live.
-            #[pyo3(signature = (force = false, all_tiers = false))]
-            fn clear(&self, py: Python<'_>, force: bool, all_tiers: bool) -> PyResult<Py<PyAny>> {
+            /// Drops L1 copies (and L2 files with all_tiers). `force`
+            /// omitted (None) means forced, the reference's default
+            /// (`protocol::CLEAR_FORCE_DEFAULT`); a forced clear is refused
+            /// with LeasesLive while leases are live.
+            #[pyo3(signature = (force = None, all_tiers = false))]
+            fn clear(
+                &self,
+                py: Python<'_>,
+                force: Option<bool>,
+                all_tiers: bool,
+            ) -> PyResult<Py<PyAny>> {
                 let api = self.$api()?;
+                let force = lmcache_rc_core::protocol::clear_force(force);
                 $crate::protocol::call(py, || api.clear(force, all_tiers))
             }
             /// `clear` without waiting.
-            #[pyo3(signature = (force = false, all_tiers = false))]
+            #[pyo3(signature = (force = None, all_tiers = false))]
             fn clear_async(
                 &self,
                 py: Python<'_>,
-                force: bool,
+                force: Option<bool>,
                 all_tiers: bool,
             ) -> PyResult<$crate::protocol::PyFuture> {
                 let api = self.$api()?;
+                let force = lmcache_rc_core::protocol::clear_force(force);
                 Ok($crate::protocol::start(py, || api.clear_async(force, all_tiers)))
             }
 
@@ -341,6 +350,9 @@ pub struct PyLease {
     /// Why a miss happened (None otherwise).
     #[pyo3(get)]
     reason: Option<&'static str>,
+    /// The pool whose bytes the slots are (a ready lease; None otherwise).
+    #[pyo3(get)]
+    pool_id: Option<String>,
     slots: Vec<Vec<Slot>>,
 }
 
@@ -374,6 +386,11 @@ impl PyLease {
     pub(crate) fn slot_groups(&self) -> &[Vec<Slot>] {
         &self.slots
     }
+
+    /// The pool the slots are in, when the lease names one.
+    pub(crate) fn pool(&self) -> Option<&str> {
+        self.pool_id.as_deref()
+    }
 }
 
 impl From<Lease> for PyLease {
@@ -382,6 +399,7 @@ impl From<Lease> for PyLease {
             status: lease.status.as_str(),
             lease_id: lease.lease_id,
             reason: lease.reason.map(|r| r.as_str()),
+            pool_id: lease.pool_id,
             slots: lease.slots,
         }
     }

@@ -61,21 +61,22 @@ impl PyClient {
         Ok(&self.inner.get()?.client)
     }
 
-    /// The pool mapped by the name and size the server announces; mapped
-    /// again when the server replaced it (a restart).
+    /// The pool the server handed over at the handshake, mapped; mapped
+    /// again when the server now serves another one (a restart).
     fn pool(&self, py: Python<'_>) -> PyResult<Arc<ShmPool>> {
         let parts = self.inner.get()?;
+        // No lock is held while waiting without the GIL.
+        let client = &parts.client;
+        let current = py.detach(|| client.pool_id()).py()?;
         if let Some(p) = lock(&parts.pool).as_ref() {
-            if p.is_current() {
+            if p.id() == current {
                 return Ok(p.clone());
             }
         }
-        // No lock is held while waiting without the GIL.
-        let client = &parts.client;
         let pool = py
             .detach(|| {
-                let caps = client.capabilities()?;
-                ShmPool::open(&caps.shm_name, caps.pool_size)
+                let (caps, fd) = client.share_pool()?;
+                ShmPool::from_fd(fd, &caps.pool_id, caps.pool_size)
             })
             .py()?;
         let pool = Arc::new(pool);
@@ -146,7 +147,7 @@ checkpoint_pymethods!(PyClient, api, {
 
     /// A writable zero-copy uint8 numpy array over `length` bytes of the SHM
     /// pool at `offset` (a lease slot), through this process's own mapping of
-    /// the pool (mapped by name on first use, never created or unlinked).
+    /// the pool (the descriptor the server handed over, mapped on first use).
     /// Only touch it while the lease is live.
     fn slot_array<'py>(
         &self,
@@ -159,8 +160,17 @@ checkpoint_pymethods!(PyClient, api, {
     }
 
     /// The slots of a lease as numpy arrays (None for pages not to copy).
+    /// A lease of another pool than the server's current one (it restarted)
+    /// is refused with InvalidInput ("replaced").
     fn lease_arrays<'py>(&self, py: Python<'py>, lease: &PyLease) -> PyResult<Bound<'py, PyList>> {
         let pool = self.pool(py)?;
+        if let Some(other) = lease.pool().filter(|id| *id != pool.id()) {
+            return Err(invalid(format!(
+                "the lease's slots are in pool {other}, which was replaced by {} (the server \
+                 restarted); nothing may be copied for it",
+                pool.id()
+            )));
+        }
         let out = PyList::empty(py);
         for group in lease.slot_groups() {
             let arrays = PyList::empty(py);
@@ -261,6 +271,7 @@ pub struct PyServer {
     socket: String,
     drain: Duration,
     http_url: Option<String>,
+    admin_file: Option<String>,
 }
 
 /// What a `Server` owns: its threads (the RPC server, the HTTP admin API).
@@ -280,9 +291,17 @@ impl Drop for PyServer {
         let Some(parts) = self.inner.local() else {
             return;
         };
+        // The HTTP admin API first: it removes its admin file before the
+        // RPC server removes the socket's (temporary) directory.
+        let http = lock(&parts.http).take();
         let taken = lock(&parts.server).take();
-        if let Some(server) = taken {
-            Python::attach(|py| py.detach(move || drop(server)));
+        if http.is_some() || taken.is_some() {
+            Python::attach(|py| {
+                py.detach(move || {
+                    drop(http);
+                    drop(taken);
+                })
+            });
         }
     }
 }
@@ -314,24 +333,35 @@ impl PyServer {
         temp_socket: Option<bool>,
     ) -> PyResult<PyServer> {
         let config = &config.inner;
+        for warning in config.deprecations() {
+            log::warn!("{warning}");
+        }
         let (service, rpc_config) = config.server_configs(temp_socket).py()?;
-        let http_bind = config.http_bind().py()?;
         let drain = rpc_config.drain_timeout;
         let server = py.detach(|| rpc::Server::open(service, rpc_config)).py()?;
-        let http = match http_bind {
-            Some((host, port)) => {
+        // The server owns its socket now: the admin file beside it is ours
+        // to write, or (HTTP off) to remove when a killed server left one.
+        let http = match config.http_config(server.socket_path()).py()? {
+            Some(http_config) => {
                 let service = server.service().clone();
                 Some(
-                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(&host, port, service))
+                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(http_config, service))
                         .py()?,
                 )
             }
-            None => None,
+            None => {
+                lmcache_rc_core::http::remove_stale_admin_file(server.socket_path());
+                None
+            }
         };
         Ok(PyServer {
             socket: server.socket_path().display().to_string(),
             drain,
             http_url: http.as_ref().map(|h| h.url()),
+            admin_file: http
+                .as_ref()
+                .and_then(|h| h.admin_file())
+                .map(|p| p.display().to_string()),
             inner: Owned::new(
                 "Server",
                 ServerParts {
@@ -353,6 +383,22 @@ impl PyServer {
     #[getter]
     fn http_url(&self) -> Option<String> {
         self.http_url.clone()
+    }
+
+    /// The HTTP admin file (`<socket>.admin.json`, mode 0600: the URL and
+    /// the bearer token `POST /clear` needs), or None when HTTP is off.
+    /// Removed by `stop`.
+    #[getter]
+    fn admin_file(&self) -> Option<String> {
+        self.admin_file.clone()
+    }
+
+    /// Where a sidecar listening on `socket` writes its HTTP admin file.
+    #[staticmethod]
+    fn admin_file_for(socket: std::path::PathBuf) -> String {
+        lmcache_rc_core::http::admin_file_for(&socket)
+            .display()
+            .to_string()
     }
 
     /// The service's status plus the RPC counters (rpc_connections, ...).

@@ -38,6 +38,9 @@ checkpoint_pymethods!(PyCheckpointService, api, {
     /// Opens the service with the settings of `config` (a `ServerConfig`).
     #[new]
     fn new(py: Python<'_>, config: &PyServerConfig) -> PyResult<Self> {
+        for warning in config.inner.deprecations() {
+            log::warn!("{warning}");
+        }
         let config = config.inner.service_config().py()?;
         let inner = py.detach(|| CheckpointService::open(config)).py()?;
         Ok(PyCheckpointService {

@@ -26,13 +26,25 @@
 //!   the same exact prefix, insert the `checkpoints` row and its
 //!   `checkpoint_tails` row, write the batched recency stamps, delete the
 //!   capacity victims, commit. The file is in WAL mode with
-//!   `synchronous=FULL`, so the commit is durable when `acknowledge` returns
-//!   `published = true`, and a crash at any earlier moment rolls the whole
-//!   transaction back.
-//! * Therefore after a crash (or `kill -9`) a generation is either listed with
-//!   its complete manifest and lookup row, or absent; a partially acknowledged
-//!   generation never appears. The in-memory lookup accelerator is rebuilt
-//!   from the committed tables at open and is changed only after a commit.
+//!   `synchronous=NORMAL`: the commit appends to the write-ahead log and
+//!   returns without an fsync. A process crash (`kill -9`) after
+//!   `acknowledge` returned `published = true` loses nothing; a power cut may
+//!   lose the publication (whole), which restart reconciliation would retire
+//!   anyway until its payload objects are durable; a crash at any earlier
+//!   moment rolls the whole transaction back.
+//! * Therefore after a crash a generation is either listed with its complete
+//!   manifest and lookup row, or absent; a partially acknowledged generation
+//!   never appears. The in-memory lookup accelerator is rebuilt from the
+//!   committed tables at open and is changed only after a commit.
+//! * What must survive a power cut is synced: [`mark_durable`] (called once
+//!   the payload objects are fsynced) returns only after an fsync of the log
+//!   covering its commit — and every earlier commit, publications included.
+//!   Concurrent callers share that fsync (group commit, `durability.rs`),
+//!   and it runs outside the directory lock. Checkpoints (which sync too) run
+//!   on a background connection. The whole argument, step by step, is in
+//!   `docs/design/directory.md`.
+//!
+//! [`mark_durable`]: Directory::mark_durable
 //!
 //! # Differences from the reference (DESIGN §5)
 //!
@@ -69,9 +81,16 @@
 //!   count it in [`DirectoryStatus::invalid_rows`]. The row is not deleted
 //!   behind the caller's back; it ages out through LRU eviction (reported in
 //!   [`Publication::evicted`]) or an explicit invalidate/retire.
-//! * **Durability flag.** [`set_durable`](Directory::set_durable) records that
-//!   every payload object of a generation reached disk (DESIGN §5, I8);
-//!   [`list`](Directory::list) reports it for start-up reconciliation.
+//! * **Durability flag.** [`mark_durable`](Directory::mark_durable) records,
+//!   in batches, that every payload object of a generation reached disk
+//!   (DESIGN §5, I8); [`list`](Directory::list) reports it.
+//! * **Publication never waits for an fsync** (the reference syncs every
+//!   commit); durability is batched as above. Concurrent publications share
+//!   transactions (see [`acknowledge`](Directory::acknowledge)).
+//! * **Lookups take a [`TokenRoots`] directly** ([`find_roots`]) and read its
+//!   roots in place; `find` borrows its `Prefix` queries. Nothing is copied.
+//!
+//! [`find_roots`]: Directory::find_roots
 //! * After [`close`](Directory::close) every call fails with
 //!   [`Error::Closed`] (close itself is idempotent).
 //!
@@ -80,15 +99,19 @@
 //! # Concurrency
 //!
 //! One mutex serialises every operation (the pending map, the accelerator and
-//! the single SQLite connection). Namespace checks and payload parsing happen
-//! before it is taken. SQLite calls run under it; nothing else slow does.
-//! One `Directory` owns its file: opening the same file twice (in one process
-//! or several) is not supported, because each instance trusts its own
-//! in-memory accelerator and pending set.
+//! the SQLite connection). Namespace checks and payload parsing happen before
+//! it is taken. SQLite calls run under it; nothing else slow does — no fsync:
+//! durable marks sync after releasing it, and a file-backed directory's
+//! background thread checkpoints the log on its own connection and writes
+//! due recency stamps. One `Directory` owns its file: opening the same file
+//! twice (in one process or several) is not supported, because each instance
+//! trusts its own in-memory accelerator and pending set.
 
+mod durability;
 mod lookup;
 mod schema;
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
@@ -98,10 +121,11 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use crate::error::{Error, Result};
-use crate::identity::Prefix;
+use crate::error::{Error, ErrorKind, Result};
+use crate::identity::{Prefix, TokenRoots};
 use crate::manifest::Manifest;
 
+use durability::Syncer;
 use lookup::{Entry, Lookup, Map, bucket_fp, entry_fp};
 pub use schema::{
     FORMAT_VERSION, TAIL_HASH_BASE, TAIL_HASH_MODULUS, tail_hash, tail_prefix_hashes, tail_text,
@@ -219,6 +243,12 @@ pub struct DirectoryStatus {
     /// Reads of stored rows skipped since open because the row failed
     /// validation (counted per read, not per distinct row).
     pub invalid_rows: u64,
+    /// Fsyncs of the write-ahead log run since open to make durable marks
+    /// durable (one per group commit; 0 in memory).
+    pub durability_fsyncs: u64,
+    /// Transactions that published generations since open (fewer than the
+    /// publications when concurrent ones shared transactions).
+    pub publish_transactions: u64,
 }
 
 /// One published generation as listed by [`Directory::list`].
@@ -268,6 +298,61 @@ impl RankSet {
     }
 }
 
+/// The accelerator as a publication transaction has changed it so far (it
+/// changes for real only after the commit).
+struct BatchTotals {
+    /// Rows this transaction inserted.
+    added: Map<i64, Entry>,
+    /// Accelerator rows this transaction deleted.
+    removed: Vec<i64>,
+    count: u64,
+    bytes: u64,
+}
+
+impl BatchTotals {
+    fn new(lookup: &Lookup) -> Self {
+        BatchTotals {
+            added: Map::default(),
+            removed: Vec::new(),
+            count: lookup.len(),
+            bytes: lookup.bytes(),
+        }
+    }
+
+    /// The entry of a row that still exists in this transaction.
+    fn entry(&self, lookup: &Lookup, rowid: i64) -> Option<Entry> {
+        self.added
+            .get(&rowid)
+            .or_else(|| lookup.get(rowid))
+            .copied()
+    }
+
+    fn add(&mut self, rowid: i64, entry: Entry) {
+        self.count += 1;
+        self.bytes = self.bytes.saturating_add(entry.payload_bytes);
+        self.added.insert(rowid, entry);
+    }
+
+    /// Takes a row this transaction deleted out of the totals.
+    fn gone(&mut self, lookup: &Lookup, rowid: i64) {
+        let entry = self.added.remove(&rowid).or_else(|| {
+            self.removed.push(rowid);
+            lookup.get(rowid).copied()
+        });
+        if let Some(e) = entry {
+            self.count -= 1;
+            self.bytes = self.bytes.saturating_sub(e.payload_bytes);
+        }
+    }
+}
+
+/// One publication staged inside a batch transaction.
+struct Staged<'a> {
+    generation: &'a str,
+    replaced: Option<(i64, String)>,
+    victims: Vec<(i64, String)>,
+}
+
 /// A generation between `begin` and publication.
 #[derive(Debug)]
 struct Pending {
@@ -278,6 +363,10 @@ struct Pending {
     tail_text: String,
     tail_hash: u64,
     payload_bytes: u64,
+    /// Every rank acknowledged; waiting in [`Inner::ready`] for a publication
+    /// transaction (a failed one clears it, so the next acknowledgement
+    /// retries).
+    queued: bool,
 }
 
 struct Inner {
@@ -295,12 +384,55 @@ struct Inner {
     dirty_since: Option<Instant>,
     evictions: u64,
     invalid_rows: u64,
+    publish_transactions: u64,
+    /// Why the file is open read-only (a full disk), if it is.
+    read_only: Option<String>,
+    /// The file's directory id (None in memory).
+    instance_id: Option<String>,
+    /// Numbers write commits and makes them durable (file mode only).
+    syncer: Option<Arc<Syncer>>,
+    background: Arc<Background>,
+    /// Completed generations waiting for a publication transaction, with the
+    /// ticket their acknowledgement waits on (see [`Directory::acknowledge`]).
+    ready: Vec<(u64, String)>,
+    next_ticket: u64,
+    /// An acknowledgement is running publication transactions.
+    publishing: bool,
+    /// Outcomes for waiting acknowledgements, by ticket.
+    outcomes: Map<u64, Result<Publication>>,
+}
+
+/// Commits between checkpoints asked of the background thread (a publication
+/// appends about 8 pages to the write-ahead log, so about 8 MiB).
+const CHECKPOINT_COMMITS: u64 = 256;
+/// Longest time committed frames wait for a background checkpoint.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Signals to the background thread (file mode).
+#[derive(Default)]
+struct Background {
+    state: Mutex<BackgroundState>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct BackgroundState {
+    stop: bool,
+    checkpoint: bool,
+}
+
+impl Background {
+    fn ask_checkpoint(&self) {
+        self.state.lock().checkpoint = true;
+        self.wake.notify_one();
+    }
 }
 
 struct Shared {
     inner: Mutex<Inner>,
-    stop: Mutex<bool>,
-    wake: Condvar,
+    background: Arc<Background>,
+    /// Signals [`Inner::outcomes`] (and close) to waiting acknowledgements.
+    published: Condvar,
 }
 
 /// The checkpoint directory. Thread-safe: share it (e.g. in an `Arc`) and call
@@ -309,6 +441,7 @@ pub struct Directory {
     shared: Arc<Shared>,
     flusher: Mutex<Option<JoinHandle<()>>>,
     path: Option<PathBuf>,
+    syncer: Option<Arc<Syncer>>,
 }
 
 impl std::fmt::Debug for Directory {
@@ -319,13 +452,80 @@ impl std::fmt::Debug for Directory {
     }
 }
 
-fn check_one_namespace(queries: &[Prefix]) -> Result<()> {
+/// One query root, borrowed from a [`Prefix`] or cut from a [`TokenRoots`]
+/// without copying its tokens (lookups never clone a query's tail).
+#[derive(Debug, Clone, Copy)]
+struct Query<'a> {
+    namespace: &'a str,
+    start_tokens: u64,
+    prefix_hash: &'a [u8],
+    tail: &'a [u32],
+}
+
+impl<'a> Query<'a> {
+    fn of(p: &'a Prefix) -> Query<'a> {
+        Query {
+            namespace: p.namespace(),
+            start_tokens: p.start_tokens(),
+            prefix_hash: p.prefix_hash(),
+            tail: p.tail_tokens(),
+        }
+    }
+
+    /// Root `k` of `roots` for every chunk: the same prefixes as
+    /// [`TokenRoots::roots`], borrowed.
+    fn roots(roots: &'a TokenRoots) -> impl Iterator<Item = Query<'a>> {
+        let chunk = roots.chunk_tokens() as usize;
+        let tokens = roots.tokens();
+        let chains = std::iter::once(roots.initial_chain()).chain(roots.end_hashes());
+        chains
+            .take(roots.num_roots())
+            .enumerate()
+            .map(move |(k, chain)| {
+                let start = k * chunk;
+                Query {
+                    namespace: roots.namespace(),
+                    start_tokens: start as u64,
+                    prefix_hash: chain,
+                    tail: &tokens[start..(start + chunk).min(tokens.len())],
+                }
+            })
+    }
+
+    fn namespace(&self) -> &'a str {
+        self.namespace
+    }
+    fn start_tokens(&self) -> u64 {
+        self.start_tokens
+    }
+    fn prefix_hash(&self) -> &'a [u8] {
+        self.prefix_hash
+    }
+    fn tail_tokens(&self) -> &'a [u32] {
+        self.tail
+    }
+    fn num_tokens(&self) -> u64 {
+        self.start_tokens + self.tail.len() as u64
+    }
+}
+
+fn check_one_namespace(queries: &[Query<'_>]) -> Result<()> {
     if let Some(first) = queries.first()
         && queries.iter().any(|q| q.namespace() != first.namespace())
     {
         return Err(Error::invalid(MSG_MIXED));
     }
     Ok(())
+}
+
+/// Opens the file for writing and reconciles its tables (the normal open).
+fn open_writable(
+    path: Option<&Path>,
+    config: &DirectoryConfig,
+) -> Result<(Connection, schema::Reconciled)> {
+    let mut conn = schema::open_connection(path)?;
+    let report = schema::reconcile(&mut conn, config.tail_hash_hook, path.is_some())?;
+    Ok((conn, report))
 }
 
 fn to_u32_len(n: usize) -> u32 {
@@ -335,13 +535,37 @@ fn to_u32_len(n: usize) -> u32 {
 impl Directory {
     /// Opens (or creates) a directory. `path = None` gives a private
     /// in-memory database, lost on close. A file is opened in WAL mode with
-    /// `synchronous=FULL`; files of reference builds (schema 0 and 1) are
+    /// `synchronous=NORMAL` (see the module docs for what is synced, and
+    /// when); files of reference builds (schema 0 and 1) are
     /// reconciled and upgraded; newer or non-SQLite files are refused with
     /// [`Error::UnsupportedFormat`] and left untouched.
     pub fn open(path: Option<&Path>, config: DirectoryConfig) -> Result<Directory> {
         config.validate()?;
-        let mut conn = schema::open_connection(path)?;
-        let report = schema::reconcile(&mut conn, config.tail_hash_hook)?;
+        let (conn, report, read_only) = match open_writable(path, &config) {
+            Ok((conn, report)) => (conn, report, None),
+            // A full disk: serve what is durable, read-only (writes wait
+            // for `reopen_writable`).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Database | ErrorKind::Io | ErrorKind::OutOfSpace
+                ) && path.is_some_and(schema::disk_full) =>
+            {
+                let p = path.unwrap_or(Path::new(""));
+                let conn = schema::open_read_only(p)?;
+                let why = format!(
+                    "the disk holding the checkpoint index {} is full ({e})",
+                    p.display()
+                );
+                log::warn!("{why}: the directory is open read-only until space returns");
+                (conn, schema::Reconciled::default(), Some(why))
+            }
+            Err(e) => return Err(e),
+        };
+        let instance_id = match path {
+            Some(_) => schema::directory_id(&conn)?,
+            None => None,
+        };
         if report.dangling_tails + report.backfilled_tails + report.migrated_tails > 0 {
             // A migration can leave a large write-ahead log behind; fold it
             // into the database now rather than during the first publications.
@@ -374,6 +598,14 @@ impl Directory {
             );
         })?;
         let interval = config.recency_flush_interval;
+        let syncer = path.map(|p| Arc::new(Syncer::new(p)));
+        // A read-only directory (full disk) starts its background thread
+        // once it is writable again (`reopen_writable`).
+        let checkpointer = match path {
+            Some(p) if read_only.is_none() => Some(schema::open_checkpointer(p)?),
+            _ => None,
+        };
+        let background = Arc::new(Background::default());
         let inner = Inner {
             conn: Some(conn),
             config,
@@ -386,28 +618,87 @@ impl Directory {
             dirty_since: None,
             evictions: 0,
             invalid_rows: 0,
+            publish_transactions: 0,
+            syncer: syncer.clone(),
+            background: background.clone(),
+            ready: Vec::new(),
+            next_ticket: 0,
+            publishing: false,
+            outcomes: Map::default(),
+            read_only,
+            instance_id,
         };
         let shared = Arc::new(Shared {
             inner: Mutex::new(inner),
-            stop: Mutex::new(false),
-            wake: Condvar::new(),
+            background,
+            published: Condvar::new(),
         });
-        let flusher = match path {
-            Some(_) => {
-                let weak = Arc::downgrade(&shared);
-                let handle = std::thread::Builder::new()
-                    .name("lmcache-rc-recency".into())
-                    .spawn(move || run_flusher(weak, interval))
-                    .map_err(|e| Error::io("start the recency flush thread", e))?;
-                Some(handle)
-            }
-            None => None,
+        let flusher = match (checkpointer, &syncer) {
+            (Some(checkpointer), Some(syncer)) => Some(start_background(
+                &shared,
+                interval,
+                checkpointer,
+                syncer.clone(),
+            )?),
+            _ => None,
         };
         Ok(Directory {
             shared,
             flusher: Mutex::new(flusher),
             path: path.map(Path::to_path_buf),
+            syncer,
         })
+    }
+
+    /// The id of a durable directory (written at its creation, the same
+    /// for its whole life; L2 directories are bound to it); None for an
+    /// in-memory directory.
+    pub fn instance_id(&self) -> Option<String> {
+        self.shared.inner.lock().instance_id.clone()
+    }
+
+    /// Why the directory is read-only (it was opened on a full disk), or
+    /// None when it is writable.
+    pub fn read_only(&self) -> Option<String> {
+        self.shared.inner.lock().read_only.clone()
+    }
+
+    /// Tries to reopen a read-only directory for writing (space returned);
+    /// true when it is writable now and was not before. Recency stamps
+    /// gathered meanwhile are written then.
+    pub fn reopen_writable(&self) -> Result<bool> {
+        let mut inner = self.shared.inner.lock();
+        if inner.read_only.is_none() || inner.conn.is_none() {
+            return Ok(false);
+        }
+        let Some(path) = self.path.as_deref() else {
+            return Ok(false);
+        };
+        let (conn, _) = open_writable(Some(path), &inner.config)?;
+        let id = schema::directory_id(&conn)?;
+        if let Some(old) = inner.conn.replace(conn) {
+            let _ = old.close();
+        }
+        inner.read_only = None;
+        inner.instance_id = id;
+        if let Err(e) = inner.flush_recency() {
+            log::warn!("checkpoint directory: recency flush failed (will retry): {e}");
+        }
+        let interval = inner.config.recency_flush_interval;
+        drop(inner);
+        let mut flusher = self.flusher.lock();
+        if flusher.is_none()
+            && let Some(syncer) = &self.syncer
+        {
+            let checkpointer = schema::open_checkpointer(path)?;
+            *flusher = Some(start_background(
+                &self.shared,
+                interval,
+                checkpointer,
+                syncer.clone(),
+            )?);
+        }
+        Ok(true)
     }
 
     /// The database file, or `None` for an in-memory directory.
@@ -437,6 +728,12 @@ impl Directory {
         let payload_bytes = manifest_payload_bytes(manifest);
         let mut guard = self.lock()?;
         let inner = &mut *guard;
+        if let Some(why) = &inner.read_only {
+            return Err(Error::OutOfSpace(format!(
+                "{why}: the directory is read-only, so nothing can be published until space \
+                 returns"
+            )));
+        }
         if let Some(p) = inner.pending.get(manifest.generation()) {
             return if p.manifest == *manifest {
                 Ok(false)
@@ -468,6 +765,7 @@ impl Directory {
                 tail_text: tail,
                 tail_hash,
                 payload_bytes,
+                queued: false,
             },
         );
         Ok(true)
@@ -476,17 +774,28 @@ impl Directory {
     /// Records that `rank` committed all its pages of a pending generation.
     /// When the distinct acknowledged ranks reach the world size, publishes
     /// atomically (see the module docs) and returns `published = true` with
-    /// the replaced and evicted generations. Unknown, aborted or already
-    /// published generations give `published = false` without checking the
-    /// rank; a rank outside `0..world_size` of a pending generation is
-    /// [`Error::InvalidInput`]. If the database fails, nothing is published
-    /// and the generation stays pending with its ranks.
+    /// the replaced and evicted generations. Unknown, aborted, already
+    /// published or being-published generations give `published = false`
+    /// without checking the rank; a rank outside `0..world_size` of a pending
+    /// generation is [`Error::InvalidInput`]. If the database fails, nothing
+    /// is published and the generation stays pending with its ranks.
+    ///
+    /// Concurrent publications share transactions: the acknowledgement that
+    /// completes a generation while another one is publishing queues it and
+    /// waits; the publishing one then publishes everything queued in one
+    /// transaction, in queue order, each exactly as if it had its own (a later
+    /// one may replace or evict an earlier one), and hands out the results.
+    /// If such a shared transaction fails, its generations are retried one
+    /// transaction each, so a failure is charged only to its own generation.
     pub fn acknowledge(&self, generation: &str, rank: u32) -> Result<Publication> {
         let mut guard = self.lock()?;
         let inner = &mut *guard;
         let Some(p) = inner.pending.get_mut(generation) else {
             return Ok(Publication::default());
         };
+        if p.queued {
+            return Ok(Publication::default());
+        }
         if rank >= p.manifest.world_size() {
             return Err(Error::invalid(MSG_RANK));
         }
@@ -494,7 +803,50 @@ impl Directory {
         if p.ranks.count < p.manifest.world_size() {
             return Ok(Publication::default());
         }
-        inner.publish(generation)
+        p.queued = true;
+        let ticket = inner.next_ticket;
+        inner.next_ticket += 1;
+        inner.ready.push((ticket, generation.to_owned()));
+        // Wait while another acknowledgement publishes; it takes ours too.
+        while guard.publishing {
+            self.shared.published.wait(&mut guard);
+            if let Some(outcome) = guard.outcomes.remove(&ticket) {
+                return outcome;
+            }
+            if guard.conn.is_none() {
+                return Err(Error::Closed(CLOSED));
+            }
+        }
+        if let Some(outcome) = guard.outcomes.remove(&ticket) {
+            return outcome;
+        }
+        // Publish everything queued, in rounds, until nothing is left.
+        guard.publishing = true;
+        let mut mine = None;
+        loop {
+            let batch = std::mem::take(&mut guard.ready);
+            if batch.is_empty() {
+                break;
+            }
+            let names: Vec<&str> = batch.iter().map(|(_, g)| g.as_str()).collect();
+            let outcomes = guard.publish_all(&names);
+            for ((t, _), outcome) in batch.iter().zip(outcomes) {
+                if *t == ticket {
+                    mine = Some(outcome);
+                } else {
+                    guard.outcomes.insert(*t, outcome);
+                }
+            }
+            self.shared.published.notify_all();
+            // Let the acknowledgements that queued up behind this transaction
+            // in, so the next round takes them all at once.
+            MutexGuard::bump(&mut guard);
+        }
+        guard.publishing = false;
+        // Woken waiters find their outcome or, if the leader role is free,
+        // lead the next round themselves.
+        self.shared.published.notify_all();
+        mine.unwrap_or_else(|| Ok(Publication::default()))
     }
 
     /// True iff this exact manifest is pending; a different manifest pending
@@ -580,6 +932,7 @@ impl Directory {
             delete_row(&tx, *rowid, generation)?;
         }
         tx.commit().db()?;
+        inner.committed();
         Ok(removed
             .into_iter()
             .map(|(rowid, generation)| {
@@ -608,15 +961,27 @@ impl Directory {
     /// queries must share one namespace ([`Error::InvalidInput`] otherwise).
     /// Refreshes the winner's recency (batched, see the module docs). The
     /// answer is a candidate: the caller must still retrieve every page.
-    pub fn find(&self, queries: &[Prefix]) -> Result<Option<Manifest>> {
-        check_one_namespace(queries)?;
+    /// Takes `&[Prefix]` or `&[&Prefix]`; nothing is copied.
+    pub fn find<P: Borrow<Prefix>>(&self, queries: &[P]) -> Result<Option<Manifest>> {
+        let queries: Vec<Query<'_>> = queries.iter().map(|p| Query::of(p.borrow())).collect();
+        check_one_namespace(&queries)?;
+        self.find_queries(queries)
+    }
+
+    /// [`find`](Directory::find) over every root of a token sequence
+    /// (`roots.roots()`), reading the roots in place: no prefix is built.
+    pub fn find_roots(&self, roots: &TokenRoots) -> Result<Option<Manifest>> {
+        self.find_queries(Query::roots(roots).collect())
+    }
+
+    fn find_queries(&self, mut order: Vec<Query<'_>>) -> Result<Option<Manifest>> {
+        // Longest first (stable: equal lengths keep their order).
+        order.sort_by_key(|q| std::cmp::Reverse(q.num_tokens()));
         let mut guard = self.lock()?;
         let inner = &mut *guard;
-        let mut order: Vec<&Prefix> = queries.iter().collect();
-        order.sort_by_key(|q| std::cmp::Reverse(q.num_tokens()));
         let mut best: Option<(u64, Manifest, i64)> = None;
         let mut found = Vec::with_capacity(1);
-        for q in order {
+        for q in &order {
             let best_tokens = best.as_ref().map_or(0, |b| b.0);
             if q.num_tokens() <= best_tokens {
                 break;
@@ -643,8 +1008,24 @@ impl Directory {
     /// Every published manifest that is a whole-token prefix of one of
     /// `queries` and has fewer than `below_tokens` tokens, sorted by token
     /// count (stable: query order, then length). Recency is not touched.
-    pub fn ancestors(&self, queries: &[Prefix], below_tokens: u64) -> Result<Vec<Manifest>> {
-        check_one_namespace(queries)?;
+    pub fn ancestors<P: Borrow<Prefix>>(
+        &self,
+        queries: &[P],
+        below_tokens: u64,
+    ) -> Result<Vec<Manifest>> {
+        let queries: Vec<Query<'_>> = queries.iter().map(|p| Query::of(p.borrow())).collect();
+        check_one_namespace(&queries)?;
+        self.ancestors_of(&queries, below_tokens)
+    }
+
+    /// [`ancestors`](Directory::ancestors) over every root of a token
+    /// sequence, reading the roots in place.
+    pub fn ancestors_roots(&self, roots: &TokenRoots, below_tokens: u64) -> Result<Vec<Manifest>> {
+        let queries: Vec<Query<'_>> = Query::roots(roots).collect();
+        self.ancestors_of(&queries, below_tokens)
+    }
+
+    fn ancestors_of(&self, queries: &[Query<'_>], below_tokens: u64) -> Result<Vec<Manifest>> {
         let mut guard = self.lock()?;
         let inner = &mut *guard;
         let mut all = Vec::new();
@@ -662,23 +1043,67 @@ impl Directory {
         Ok(all)
     }
 
-    /// Marks a published generation durable (every payload object on disk)
-    /// or not. False when the generation is not published.
+    /// Marks published generations durable: every payload object of each is
+    /// on disk (DESIGN §5, I8). One transaction for the whole batch; returns,
+    /// per input, whether that generation is published (and so now marked).
+    ///
+    /// On return the marks are on disk (file mode): the transaction commits
+    /// without an fsync under the directory lock, then one fsync of the
+    /// write-ahead log, shared with every concurrent caller, runs outside it
+    /// (group commit, see `durability.rs`); that fsync also makes every
+    /// earlier publication durable. Callers mark what became durable since
+    /// their last call in one call (the L2 pump does, once per round).
+    pub fn mark_durable<S: AsRef<str>>(&self, generations: &[S]) -> Result<Vec<bool>> {
+        let (seq, published) = {
+            let mut guard = self.lock()?;
+            let inner = &mut *guard;
+            let mut published = vec![false; generations.len()];
+            let mut changes: Vec<(i64, &str)> = Vec::new();
+            {
+                let conn = inner.conn()?;
+                for (i, generation) in generations.iter().enumerate() {
+                    let generation = generation.as_ref();
+                    let Some(rowid) = rowid_of(conn, generation)? else {
+                        continue;
+                    };
+                    published[i] = true;
+                    let marked = inner.lookup.get(rowid).is_none_or(|e| e.durable);
+                    if !marked && !changes.iter().any(|&(r, _)| r == rowid) {
+                        changes.push((rowid, generation));
+                    }
+                }
+            }
+            if !changes.is_empty() {
+                inner.write_durable(&changes, true)?;
+            }
+            // Wait for every commit so far: a generation already marked may
+            // have been marked by a commit whose fsync is still running.
+            let seq = inner.syncer.as_ref().map_or(0, |s| s.latest());
+            (seq, published)
+        };
+        if let Some(syncer) = &self.syncer {
+            syncer.sync_through(seq)?;
+        }
+        Ok(published)
+    }
+
+    /// Marks one published generation durable ([`mark_durable`] of one,
+    /// synced) or not durable (committed without an fsync: a lost clearing
+    /// only leaves the flag set on an object set that restart reconciliation
+    /// verifies anyway). False when the generation is not published.
+    ///
+    /// [`mark_durable`]: Directory::mark_durable
     pub fn set_durable(&self, generation: &str, durable: bool) -> Result<bool> {
+        if durable {
+            return Ok(self.mark_durable(&[generation])?[0]);
+        }
         let mut guard = self.lock()?;
         let inner = &mut *guard;
-        let rowid = {
-            let conn = inner.conn()?;
-            let Some(rowid) = rowid_of(conn, generation)? else {
-                return Ok(false);
-            };
-            conn.prepare_cached(SQL_SET_DURABLE)
-                .db()?
-                .execute(params![generation, i64::from(durable)])
-                .db()?;
-            rowid
+        let Some(rowid) = rowid_of(inner.conn()?, generation)? else {
+            return Ok(false);
         };
-        Ok(inner.lookup.set_durable(rowid, durable))
+        inner.write_durable(&[(rowid, generation)], false)?;
+        Ok(true)
     }
 
     /// Lists published generations ordered by generation id, at most `limit`
@@ -741,6 +1166,8 @@ impl Directory {
             dirty_recency: inner.dirty.len() as u64,
             evictions: inner.evictions,
             invalid_rows: inner.invalid_rows,
+            durability_fsyncs: self.syncer.as_ref().map_or(0, |s| s.fsyncs()),
+            publish_transactions: inner.publish_transactions,
         })
     }
 
@@ -755,13 +1182,14 @@ impl Directory {
     /// error is returned).
     pub fn close(&self) -> Result<()> {
         let result = self.shared.inner.lock().shutdown();
+        self.shared.published.notify_all();
         self.stop_flusher();
         result
     }
 
     fn stop_flusher(&self) {
-        *self.shared.stop.lock() = true;
-        self.shared.wake.notify_all();
+        self.shared.background.state.lock().stop = true;
+        self.shared.background.wake.notify_all();
         if let Some(handle) = self.flusher.lock().take() {
             let _ = handle.join();
         }
@@ -773,33 +1201,82 @@ impl Drop for Directory {
         if let Err(e) = self.shared.inner.lock().shutdown() {
             log::warn!("checkpoint directory: closing on drop failed: {e}");
         }
+        self.shared.published.notify_all();
         self.stop_flusher();
     }
 }
 
-/// Writes due recency stamps every `interval` until the directory closes.
-fn run_flusher(shared: Weak<Shared>, interval: Duration) {
+/// The background thread of a file-backed directory, until it closes:
+///
+/// * checkpoints the write-ahead log on its own connection, so that neither
+///   the copy into the database file nor its two fsyncs ever run under the
+///   directory lock (publications never wait for them): when asked (every
+///   [`CHECKPOINT_COMMITS`] commits) and every [`CHECKPOINT_INTERVAL`] while
+///   commits arrive. A passive checkpoint waits for nobody; frames it cannot
+///   copy yet wait for the next one (the main connection checkpoints itself
+///   only past a large safety bound, see `schema.rs`);
+/// * writes due recency stamps every `interval`.
+///
+/// Its connection closes last, so SQLite folds the log into the database and
+/// removes it at close.
+/// Starts the background thread of a file directory (recency flushes,
+/// passive checkpoints, durable-flag syncs).
+fn start_background(
+    shared: &Arc<Shared>,
+    interval: Duration,
+    checkpointer: Connection,
+    syncer: Arc<Syncer>,
+) -> Result<JoinHandle<()>> {
+    let weak = Arc::downgrade(shared);
+    std::thread::Builder::new()
+        .name("lmcache-rc-directory".into())
+        .spawn(move || run_background(weak, interval, checkpointer, syncer))
+        .map_err(|e| Error::io("start the directory's background thread", e))
+}
+
+fn run_background(
+    shared: Weak<Shared>,
+    interval: Duration,
+    checkpointer: Connection,
+    syncer: Arc<Syncer>,
+) {
     let interval = interval.max(Duration::from_millis(10));
+    let tick = interval.min(CHECKPOINT_INTERVAL);
+    let mut checkpointed = syncer.latest();
+    let mut last_flush = Instant::now();
     loop {
         let Some(s) = shared.upgrade() else { return };
         {
-            let mut stop = s.stop.lock();
-            if *stop {
+            let mut state = s.background.state.lock();
+            if state.stop {
                 return;
             }
-            s.wake.wait_for(&mut stop, interval);
-            if *stop {
+            if !state.checkpoint {
+                s.background.wake.wait_for(&mut state, tick);
+            }
+            if state.stop {
                 return;
             }
+            state.checkpoint = false;
         }
-        let mut inner = s.inner.lock();
-        if inner.conn.is_none() {
-            return;
+        let latest = syncer.latest();
+        if latest != checkpointed {
+            if let Err(e) = schema::checkpoint_passive(&checkpointer) {
+                log::warn!("checkpoint directory: background checkpoint failed (will retry): {e}");
+            }
+            checkpointed = latest;
         }
-        if !inner.dirty.is_empty()
-            && let Err(e) = inner.flush_recency()
-        {
-            log::warn!("checkpoint directory: recency flush failed (will retry): {e}");
+        if last_flush.elapsed() >= interval {
+            last_flush = Instant::now();
+            let mut inner = s.inner.lock();
+            if inner.conn.is_none() {
+                return;
+            }
+            if !inner.dirty.is_empty()
+                && let Err(e) = inner.flush_recency()
+            {
+                log::warn!("checkpoint directory: recency flush failed (will retry): {e}");
+            }
         }
     }
 }
@@ -880,7 +1357,7 @@ fn write_stamps(conn: &Connection, dirty: &Map<i64, i64>) -> Result<()> {
 fn confirm(
     conn: &Connection,
     rowid: i64,
-    q: &Prefix,
+    q: &Query<'_>,
     candidate: &[u32],
 ) -> Result<Option<(String, i64, Vec<u8>)>> {
     let mut stmt = conn.prepare_cached(SQL_ROW_BY_ROWID).db()?;
@@ -909,7 +1386,7 @@ fn confirm(
 /// Builds and re-validates the manifest of a confirmed row; on failure
 /// returns the generation with the reason.
 fn row_manifest(
-    q: &Prefix,
+    q: &Query<'_>,
     candidate: &[u32],
     generation: String,
     world_size: i64,
@@ -933,6 +1410,17 @@ fn row_manifest(
 }
 
 impl Inner {
+    /// Numbers a write transaction that just committed (see `durability.rs`)
+    /// and asks for a background checkpoint every [`CHECKPOINT_COMMITS`].
+    fn committed(&self) -> u64 {
+        let Some(syncer) = &self.syncer else { return 0 };
+        let seq = syncer.committed();
+        if seq % CHECKPOINT_COMMITS == 0 {
+            self.background.ask_checkpoint();
+        }
+        seq
+    }
+
     fn conn(&self) -> Result<&Connection> {
         self.conn.as_ref().ok_or(Error::Closed(CLOSED))
     }
@@ -998,7 +1486,7 @@ impl Inner {
     /// `min_len..=len(q.tail)`, longest first.
     fn probe(
         &mut self,
-        q: &Prefix,
+        q: &Query<'_>,
         min_len: u32,
         first_only: bool,
         out: &mut Vec<(Manifest, i64)>,
@@ -1010,7 +1498,7 @@ impl Inner {
     /// Like [`Inner::probe`] with an explicit upper length bound.
     fn probe_bounded(
         &mut self,
-        q: &Prefix,
+        q: &Query<'_>,
         min_len: u32,
         max_len: u64,
         first_only: bool,
@@ -1065,128 +1553,194 @@ impl Inner {
         Ok(())
     }
 
-    /// Publishes a pending generation whose ranks are complete.
-    fn publish(&mut self, generation: &str) -> Result<Publication> {
-        let Some(p) = self.pending.get(generation) else {
-            return Ok(Publication::default());
-        };
-        let m = &p.manifest;
-        let prefix = m.prefix();
-        let bucket = bucket_fp(
-            prefix.namespace().as_bytes(),
-            prefix.start_tokens(),
-            prefix.prefix_hash(),
-        );
-        let tail_len = to_u32_len(prefix.tail_tokens().len());
-        let entry = Entry {
-            bucket,
-            fp: entry_fp(bucket, tail_len, p.tail_hash),
-            tail_len,
-            payload_bytes: p.payload_bytes,
-            durable: false,
-        };
-        let stamp = self.counter + 1;
+    /// Publishes queued generations: all in one transaction, or, if that
+    /// fails, one transaction each (so a failure is charged only to its own
+    /// generation). One outcome per input, in order.
+    fn publish_all(&mut self, batch: &[&str]) -> Vec<Result<Publication>> {
+        match self.publish_batch(batch) {
+            Ok(done) => done.into_iter().map(Ok).collect(),
+            Err(e) if batch.len() == 1 => {
+                self.unqueue(batch[0]);
+                vec![Err(e)]
+            }
+            Err(_) => batch
+                .iter()
+                .map(|&g| {
+                    self.publish_batch(&[g])
+                        .map(|mut one| one.pop().unwrap_or_default())
+                        .inspect_err(|_| self.unqueue(g))
+                })
+                .collect(),
+        }
+    }
+
+    /// A failed publication leaves its generation pending with its ranks.
+    fn unqueue(&mut self, generation: &str) {
+        if let Some(p) = self.pending.get_mut(generation) {
+            p.queued = false;
+        }
+    }
+
+    /// Publishes queued generations, in order, in one transaction, each as
+    /// if it had its own: remove the previous generation of the same exact
+    /// prefix, insert the `checkpoints` and `checkpoint_tails` rows, delete
+    /// capacity victims (a later generation of the batch may replace or evict
+    /// an earlier one); recency stamps are written first. Memory changes only
+    /// after the commit. A generation no longer queued (aborted meanwhile)
+    /// gets `published = false`. On error nothing is published.
+    fn publish_batch(&mut self, batch: &[&str]) -> Result<Vec<Publication>> {
         let max_entries = self.config.max_entries;
         let max_bytes = self.config.max_bytes;
+        let over = |count: u64, bytes: u64| {
+            count > max_entries || max_bytes.is_some_and(|limit| bytes > limit)
+        };
         let conn = self.conn.as_mut().ok_or(Error::Closed(CLOSED))?;
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .db()?;
         write_stamps(&tx, &self.dirty)?;
-        let tail_blob = p.tail_text.as_bytes();
-        let start = i64::try_from(prefix.start_tokens()).map_err(|_| {
-            Error::invalid("checkpoint prefix start_tokens exceeds the wire limits")
-        })?;
-        let replaced: Option<(i64, String)> = tx
-            .prepare_cached(SQL_ROW_BY_PREFIX)
-            .db()?
-            .query_row(
-                params![prefix.namespace(), start, prefix.prefix_hash(), tail_blob],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()
-            .db()?;
-        if let Some((rowid, old)) = &replaced {
-            delete_row(&tx, *rowid, old)?;
-        }
-        let num_tokens = i64::try_from(prefix.num_tokens())
-            .map_err(|_| Error::invalid("checkpoint prefix exceeds the wire limits"))?;
-        tx.prepare_cached(SQL_INSERT_ROW)
-            .db()?
-            .execute(params![
-                prefix.namespace(),
-                start,
+        let mut totals = BatchTotals::new(&self.lookup);
+        let mut stamp = self.counter;
+        let mut staged: Vec<Option<Staged>> = Vec::with_capacity(batch.len());
+        for &generation in batch {
+            let Some(p) = self.pending.get(generation).filter(|p| p.queued) else {
+                staged.push(None);
+                continue;
+            };
+            let m = &p.manifest;
+            let prefix = m.prefix();
+            let bucket = bucket_fp(
+                prefix.namespace().as_bytes(),
+                prefix.start_tokens(),
                 prefix.prefix_hash(),
-                tail_blob,
-                num_tokens,
-                generation,
-                m.world_size(),
-                m.payload(),
-                stamp
-            ])
-            .db()?;
-        let rowid = tx.last_insert_rowid();
-        tx.prepare_cached(SQL_INSERT_TAIL)
-            .db()?
-            .execute(params![
-                generation,
-                prefix.namespace(),
-                start,
-                prefix.prefix_hash(),
-                p.tail_hash as i64,
+            );
+            let tail_len = to_u32_len(prefix.tail_tokens().len());
+            let entry = Entry {
+                bucket,
+                fp: entry_fp(bucket, tail_len, p.tail_hash),
                 tail_len,
-                i64::try_from(p.payload_bytes).unwrap_or(i64::MAX)
-            ])
-            .db()?;
-
-        // Capacity, from in-memory totals; victims lowest access_order first.
-        let replaced_entry = replaced.as_ref().and_then(|(r, _)| self.lookup.get(*r));
-        let mut count = self.lookup.len() + 1 - u64::from(replaced_entry.is_some());
-        let mut bytes = (self.lookup.bytes() + p.payload_bytes)
-            .saturating_sub(replaced_entry.map_or(0, |e| e.payload_bytes));
-        let over = |count: u64, bytes: u64| {
-            count > max_entries || max_bytes.is_some_and(|limit| bytes > limit)
-        };
-        let mut victims: Vec<(i64, String)> = Vec::new();
-        if over(count, bytes) {
-            let mut stmt = tx.prepare_cached(SQL_LRU).db()?;
-            let mut rows = stmt.query([]).db()?;
-            while over(count, bytes) {
-                let Some(row) = rows.next().db()? else { break };
-                let victim: i64 = row.get(0).db()?;
-                if victim == rowid {
-                    continue;
-                }
-                if let Some(e) = self.lookup.get(victim) {
-                    count -= 1;
-                    bytes = bytes.saturating_sub(e.payload_bytes);
-                }
-                victims.push((victim, row.get(1).db()?));
+                payload_bytes: p.payload_bytes,
+                durable: false,
+            };
+            stamp += 1;
+            // Every stored row with this exact prefix has this fingerprint
+            // (same bucket, length and tail hash), so without a candidate
+            // there is nothing to replace and no need to probe.
+            let may_replace = !self.lookup.rows(entry.fp).is_empty()
+                || totals.added.values().any(|e| e.fp == entry.fp);
+            let tail_blob = p.tail_text.as_bytes();
+            let start = i64::try_from(prefix.start_tokens()).map_err(|_| {
+                Error::invalid("checkpoint prefix start_tokens exceeds the wire limits")
+            })?;
+            let replaced: Option<(i64, String)> = if may_replace {
+                tx.prepare_cached(SQL_ROW_BY_PREFIX)
+                    .db()?
+                    .query_row(
+                        params![prefix.namespace(), start, prefix.prefix_hash(), tail_blob],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )
+                    .optional()
+                    .db()?
+            } else {
+                None
+            };
+            if let Some((rowid, old)) = &replaced {
+                delete_row(&tx, *rowid, old)?;
+                totals.gone(&self.lookup, *rowid);
             }
-        }
-        for (victim, old) in &victims {
-            delete_row(&tx, *victim, old)?;
+            let num_tokens = i64::try_from(prefix.num_tokens())
+                .map_err(|_| Error::invalid("checkpoint prefix exceeds the wire limits"))?;
+            tx.prepare_cached(SQL_INSERT_ROW)
+                .db()?
+                .execute(params![
+                    prefix.namespace(),
+                    start,
+                    prefix.prefix_hash(),
+                    tail_blob,
+                    num_tokens,
+                    generation,
+                    m.world_size(),
+                    m.payload(),
+                    stamp
+                ])
+                .db()?;
+            let rowid = tx.last_insert_rowid();
+            tx.prepare_cached(SQL_INSERT_TAIL)
+                .db()?
+                .execute(params![
+                    generation,
+                    prefix.namespace(),
+                    start,
+                    prefix.prefix_hash(),
+                    p.tail_hash as i64,
+                    tail_len,
+                    i64::try_from(p.payload_bytes).unwrap_or(i64::MAX)
+                ])
+                .db()?;
+            // Capacity, from the running totals (with the row just inserted);
+            // victims lowest access_order first, never that row.
+            let (mut left, mut left_bytes) = (
+                totals.count + 1,
+                totals.bytes.saturating_add(p.payload_bytes),
+            );
+            let mut victims: Vec<(i64, String)> = Vec::new();
+            if over(left, left_bytes) {
+                let mut stmt = tx.prepare_cached(SQL_LRU).db()?;
+                let mut rows = stmt.query([]).db()?;
+                while over(left, left_bytes) {
+                    let Some(row) = rows.next().db()? else { break };
+                    let victim: i64 = row.get(0).db()?;
+                    if victim == rowid {
+                        continue;
+                    }
+                    if let Some(e) = totals.entry(&self.lookup, victim) {
+                        left -= 1;
+                        left_bytes = left_bytes.saturating_sub(e.payload_bytes);
+                    }
+                    victims.push((victim, row.get(1).db()?));
+                }
+            }
+            for (victim, old) in &victims {
+                delete_row(&tx, *victim, old)?;
+                totals.gone(&self.lookup, *victim);
+            }
+            totals.add(rowid, entry);
+            staged.push(Some(Staged {
+                generation,
+                replaced,
+                victims,
+            }));
         }
         tx.commit().db()?;
+        self.committed();
+        self.publish_transactions += 1;
 
-        // Committed: now change memory.
+        // Committed: now change memory (deletions first: a rowid freed by a
+        // deletion may have been reused by an insertion).
         self.counter = stamp;
         self.dirty.clear();
         self.dirty_since = None;
-        if let Some((old_rowid, _)) = &replaced {
-            self.forget(*old_rowid);
+        for rowid in totals.removed {
+            self.forget(rowid);
         }
-        for (victim, _) in &victims {
-            self.forget(*victim);
+        for (rowid, entry) in totals.added {
+            self.lookup.insert(rowid, entry);
         }
-        self.evictions += victims.len() as u64;
-        self.lookup.insert(rowid, entry);
-        self.drop_pending(generation);
-        Ok(Publication {
-            published: true,
-            replaced: replaced.map(|(_, g)| g),
-            evicted: victims.into_iter().map(|(_, g)| g).collect(),
-        })
+        Ok(staged
+            .into_iter()
+            .map(|s| match s {
+                None => Publication::default(),
+                Some(s) => {
+                    self.evictions += s.victims.len() as u64;
+                    self.drop_pending(s.generation);
+                    Publication {
+                        published: true,
+                        replaced: s.replaced.map(|(_, g)| g),
+                        evicted: s.victims.into_iter().map(|(_, g)| g).collect(),
+                    }
+                }
+            })
+            .collect())
     }
 
     /// Hands out a fresh recency stamp to a found row (memory only).
@@ -1198,6 +1752,9 @@ impl Inner {
 
     /// Writes dirty stamps when a batch is full or the oldest is due.
     fn maybe_flush(&mut self) {
+        if self.read_only.is_some() {
+            return; // kept until the directory is writable again
+        }
         let due = match self.dirty_since {
             None => false,
             Some(since) => {
@@ -1210,9 +1767,29 @@ impl Inner {
         }
     }
 
+    /// Sets the durable flag of rows in one transaction, then in memory.
+    fn write_durable(&mut self, rows: &[(i64, &str)], durable: bool) -> Result<()> {
+        let conn = self.conn.as_mut().ok_or(Error::Closed(CLOSED))?;
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .db()?;
+        {
+            let mut stmt = tx.prepare_cached(SQL_SET_DURABLE).db()?;
+            for (_, generation) in rows {
+                stmt.execute(params![generation, i64::from(durable)]).db()?;
+            }
+        }
+        tx.commit().db()?;
+        self.committed();
+        for (rowid, _) in rows {
+            self.lookup.set_durable(*rowid, durable);
+        }
+        Ok(())
+    }
+
     /// Writes every dirty stamp in one transaction.
     fn flush_recency(&mut self) -> Result<usize> {
-        if self.dirty.is_empty() {
+        if self.dirty.is_empty() || self.read_only.is_some() {
             self.dirty_since = None;
             return Ok(0);
         }
@@ -1222,6 +1799,7 @@ impl Inner {
             .db()?;
         write_stamps(&tx, &self.dirty)?;
         tx.commit().db()?;
+        self.committed();
         let n = self.dirty.len();
         self.dirty.clear();
         self.dirty_since = None;

@@ -44,7 +44,21 @@ pub use types::{
 /// Slot/layout format version announced in capabilities.
 pub const FORMAT_VERSION: u32 = 1;
 /// RPC protocol version announced in capabilities and spoken on the wire.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// What `clear` does when its caller omits `force`: forced, as in the
+/// reference implementation (a forced clear is still refused with
+/// `LeasesLive` while any lease is live, so the default never drops pages a
+/// copy is using). Every front end that lets `force` be omitted — HTTP
+/// `POST /clear`, the Python `clear()` / `clear_async()`, `lmcache-rc clear`
+/// — resolves it through [`clear_force`]; the wire and [`Checkpoints::clear`]
+/// always carry an explicit value.
+pub const CLEAR_FORCE_DEFAULT: bool = true;
+
+/// `force` as given, or [`CLEAR_FORCE_DEFAULT`] when omitted.
+pub fn clear_force(force: Option<bool>) -> bool {
+    force.unwrap_or(CLEAR_FORCE_DEFAULT)
+}
 
 /// Declares the operation set once: the blocking trait, its async twin with
 /// a ready-answer default per operation, and the list of operation names.
@@ -80,8 +94,8 @@ macro_rules! operations {
 }
 
 operations! {
-    /// Pool name and size, format and protocol versions, durability: what a
-    /// client needs to map the pool.
+    /// Pool id and size, format and protocol versions, durability: what a
+    /// client needs to map the pool it received at the handshake.
     fn capabilities / capabilities_async () -> Capabilities;
     /// The longest listed generation whose prefix is a whole-token prefix of
     /// the query (all roots of one token sequence). A candidate only: every
@@ -116,7 +130,8 @@ operations! {
     /// Counters and gauges (over RPC: plus the RPC layer's).
     fn status / status_async () -> ServiceStatus;
     /// Drops L1 copies (and with `all_tiers` L2 files). `force` is refused
-    /// with `LeasesLive` while any lease is live.
+    /// with `LeasesLive` while any lease is live. Front ends that let callers
+    /// omit `force` resolve it with [`clear_force`] (forced by default).
     fn clear / clear_async (force: bool, all_tiers: bool) -> ClearReport;
     /// Every listed generation, ordered by id (operators' `inspect`).
     fn list_generations / list_generations_async () -> Vec<GenerationInfo>;

@@ -94,6 +94,9 @@ pub struct Lease {
     pub slots: Vec<Vec<Slot>>,
     /// Why a miss (or busy) happened.
     pub reason: Option<MissReason>,
+    /// The pool the slots are offsets into (a ready lease names it; a
+    /// worker refuses slots of a pool it has not mapped: "replaced").
+    pub pool_id: Option<String>,
 }
 
 impl Lease {
@@ -104,6 +107,7 @@ impl Lease {
             lease_id: None,
             slots: Vec::new(),
             reason: Some(reason),
+            pool_id: None,
         }
     }
 
@@ -114,6 +118,7 @@ impl Lease {
             lease_id: None,
             slots: Vec::new(),
             reason: Some(MissReason::Busy),
+            pool_id: None,
         }
     }
 
@@ -124,16 +129,18 @@ impl Lease {
             lease_id: Some(lease_id),
             slots: Vec::new(),
             reason: None,
+            pool_id: None,
         }
     }
 
-    /// A lease exposing `slots`: copy, then finish it.
-    pub fn ready(lease_id: String, slots: Vec<Vec<Slot>>) -> Lease {
+    /// A lease exposing `slots` of pool `pool_id`: copy, then finish it.
+    pub fn ready(lease_id: String, pool_id: String, slots: Vec<Vec<Slot>>) -> Lease {
         Lease {
             status: LeaseStatus::Ready,
             lease_id: Some(lease_id),
             slots,
             reason: None,
+            pool_id: Some(pool_id),
         }
     }
 }
@@ -145,8 +152,9 @@ pub struct Capabilities {
     pub format_version: u32,
     /// RPC protocol version ([`super::PROTOCOL_VERSION`]).
     pub protocol_version: u32,
-    /// The SHM pool's name (without a leading '/').
-    pub shm_name: String,
+    /// The SHM pool's id: random, new for every pool (so for every server
+    /// start). The pool itself travels as a descriptor at the handshake.
+    pub pool_id: String,
     /// The SHM pool's size in bytes.
     pub pool_size: u64,
     /// Whether the directory survives restarts.

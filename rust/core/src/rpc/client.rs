@@ -13,9 +13,14 @@
 //! again (with a new handshake), so a restarted server is picked up without
 //! a new client. Calls never retry by themselves: whether a lost call took
 //! effect is for the caller to reconcile.
+//!
+//! Each handshake hands the client the server's pool as a descriptor;
+//! [`Client::share_pool`] returns it with the capabilities of the same connection
+//! (so the id and size describe exactly that pool).
 
 use std::collections::HashMap;
 use std::io::BufReader;
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -98,6 +103,10 @@ struct Calls {
 struct Conn {
     writer: Mutex<UnixStream>,
     calls: Mutex<Calls>,
+    /// The server's pool, received with the welcome.
+    pool: OwnedFd,
+    /// Its id, named by the welcome.
+    pool_id: String,
 }
 
 impl Conn {
@@ -278,6 +287,45 @@ impl Client {
         Checkpoints::capabilities(self)
     }
 
+    /// The server's pool: the capabilities (pool id and size) and a new
+    /// descriptor of the pool, both from the same connection, so they
+    /// describe one pool even when the server restarts meanwhile (then the
+    /// call is made again on the new connection, a few times at most).
+    pub fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        let mut last = None;
+        for _ in 0..3 {
+            let conn = self.connection()?;
+            let pending = self.call_async(Request::Capabilities);
+            let caps = match pending.wait(Some(self.config.timeout)) {
+                Ok(v) => v.into_capabilities()?,
+                Err(e) => {
+                    pending.abandon();
+                    return Err(e);
+                }
+            };
+            let same = pending.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn));
+            if same && caps.pool_id == conn.pool_id {
+                let fd = rustix::io::fcntl_dupfd_cloexec(&conn.pool, 0)
+                    .map_err(|e| Error::io("duplicate the pool descriptor", e.into()))?;
+                return Ok((caps, fd));
+            }
+            last = Some(caps);
+        }
+        Err(Error::Unavailable(format!(
+            "the lmcache-rc server at {} kept restarting while its pool was requested \
+             (last pool: {:?})",
+            self.path.display(),
+            last.map(|c| c.pool_id)
+        )))
+    }
+
+    /// The id of the pool the server behind the live connection announced
+    /// in its welcome; connects (again) first when needed, but makes no
+    /// call. A worker compares it with the pool it mapped.
+    pub fn pool_id(&self) -> Result<String> {
+        Ok(self.connection()?.pool_id.clone())
+    }
+
     /// Closes the connection; later calls fail with [`Error::Closed`].
     /// Leases obtained through this client stay live on the server.
     pub fn close(&self) {
@@ -339,8 +387,7 @@ impl Client {
         )
         .map_err(|(_, e)| e);
         let mut buf = Vec::new();
-        let mut reader = &stream;
-        let answer = wire::read_frame(&mut reader, 8 + 4096, &mut buf);
+        let answer = wire::read_frame_with_fds(&stream, 8 + 4096, &mut buf);
         if let Err(e) = greeted {
             // The server may have refused (and closed) before reading the
             // hello: its reason, if it arrived, says more than the reset.
@@ -354,8 +401,8 @@ impl Client {
             }
             return Err(self.unavailable("cannot greet", e));
         }
-        match answer {
-            Ok(()) => {}
+        let mut fds = match answer {
+            Ok(fds) => fds,
             Err(FrameError::Io(e))
                 if matches!(
                     e.kind(),
@@ -368,7 +415,7 @@ impl Client {
                 ));
             }
             Err(e) => return Err(self.unavailable("handshake failed with", e)),
-        }
+        };
         let (version, message) = wire::decode_welcome(&buf)?;
         if version == 0 {
             return Err(Error::Protocol(format!(
@@ -385,6 +432,22 @@ impl Client {
                 wire::PROTOCOL_VERSION
             )));
         }
+        if fds.len() != 1 {
+            return Err(Error::Protocol(format!(
+                "the lmcache-rc server at {} sent {} descriptors with its welcome; exactly one \
+                 (the shared-memory pool) was expected",
+                self.path.display(),
+                fds.len()
+            )));
+        }
+        let pool = fds.remove(0);
+        let pool_id = message;
+        if pool_id.is_empty() || !pool_id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(Error::Protocol(format!(
+                "the lmcache-rc server at {} named its pool {pool_id:?} (not a pool id)",
+                self.path.display()
+            )));
+        }
         stream
             .set_read_timeout(None)
             .map_err(|e| self.unavailable("cannot configure a socket to", e))?;
@@ -397,6 +460,8 @@ impl Client {
                 dead: None,
                 slots: HashMap::new(),
             }),
+            pool,
+            pool_id,
         });
         let for_thread = conn.clone();
         let max_frame = self.config.max_frame;

@@ -1,8 +1,8 @@
 //! The sidecar RPC: wire format, server and client (DESIGN §3, §5 "RPC", §6).
 //!
 //! Only metadata crosses the RPC (I10): manifests, roots, lease ids and slot
-//! offsets. Page bytes move through the shared-memory pool, which a client
-//! maps by the name and size that `capabilities` announces.
+//! offsets. Page bytes move through the shared-memory pool, whose descriptor
+//! the server hands to the client with its welcome (below).
 //!
 //! # Transport
 //!
@@ -11,7 +11,9 @@
 //! user and not be writable by group or others), binds under a temporary
 //! name, sets the socket file's mode to 0600 and renames it into place. A
 //! stale socket file (nothing answers on it) is replaced; a live one makes
-//! the new server refuse to start.
+//! the new server refuse to start. One server per socket: a running server
+//! holds an exclusive `flock` on `<socket>.lock`, so even a second server
+//! racing the first's start-up refuses.
 //!
 //! # Frames
 //!
@@ -28,6 +30,17 @@
 //! read: the server answers it with a connection-level error (below) and
 //! closes the connection.
 //!
+//! The server bounds what a peer can hold (`ServerConfig`): a frame that
+//! started arriving must arrive whole within `frame_timeout` (a connection
+//! idle between frames is never timed out); a frame's buffer grows as its
+//! bytes arrive, never by what `len` claims; and the bytes of unfinished
+//! frames across all connections beyond the first 64 KiB of each are
+//! bounded by `max_buffered_bytes`. A frame past either bound gets a
+//! connection-level error (`Protocol` for the timeout, `Unavailable` for
+//! the budget) and its connection is closed. Connections are capped by
+//! `max_connections`, lowered at start to what the open-file limit allows
+//! beside the descriptors kept for L2 and SQLite ([`crate::limits`]).
+//!
 //! # Handshake
 //!
 //! The first frame each way is fixed binary (never postcard, so every future
@@ -42,6 +55,14 @@
 //! ([`wire::PROTOCOL_VERSION`], also announced in `capabilities`); version 0
 //! means refused, with the reason in `message` (unsupported versions, too many
 //! connections), and the server closes the connection.
+//!
+//! An accepted welcome (version 2) hands over the shared-memory pool: the
+//! frame's bytes carry one file descriptor of the pool (`SCM_RIGHTS`
+//! ancillary data, read with `recvmsg`, close-on-exec) and `message` is the
+//! pool's id. The id is random and new at every server start; capabilities
+//! and every ready lease name it too, so a worker never copies through a
+//! mapping of another pool than the lease's. Version 1 (a pool opened by its
+//! name in /dev/shm) is no longer spoken.
 //!
 //! # Requests and replies
 //!
@@ -87,7 +108,8 @@
 //! pipelines, times out blocking calls, offers `*_async` futures, and
 //! reconnects after a server restart (calls in flight then fail with
 //! [`Error::Unavailable`](crate::Error::Unavailable)). Leases outlive the
-//! connection that obtained them.
+//! connection that obtained them: they belong to the client's process, and
+//! are reclaimed once that process is gone (`service::reclaim`).
 
 pub mod client;
 pub mod server;

@@ -13,10 +13,20 @@
 //! service as the server exposes it: the same operations, except that
 //! admission stops at shutdown and status adds the RPC layer's counters.
 //!
-//! Leases belong to ranks, not to connections: a client that disconnects
-//! with live leases leaves them live (its worker may still be copying), and
-//! any connection may finish them. A finish/poll/cancel that names another
-//! rank than the lease's is refused by the service.
+//! Leases belong to processes, not to connections. Each connection records
+//! its peer process ([`Peer`]: `SO_PEERCRED` pid, pinned by a pidfd or its
+//! start time) and the leases it obtains are held by that process. A client
+//! that disconnects while its process lives leaves its leases live (its
+//! worker may still be copying, or reconnect and finish them); when the
+//! connection closes because the process is gone, its leases are reclaimed
+//! at once (see [`CheckpointService::peer_disconnected`]), and the service's
+//! sweep catches processes that vanished without closing. A finish, poll or
+//! cancel that names another rank than the lease's is refused by the service.
+//!
+//! One server per socket: the server holds an exclusive lock (`flock`) on
+//! `<socket>.lock` for its lifetime, so a second server on the same socket
+//! refuses to start while the first lives, and a crashed server's lock goes
+//! with its process (its stale socket file is then replaced).
 
 use std::collections::HashMap;
 use std::io::{BufReader, ErrorKind as IoKind};
@@ -33,10 +43,11 @@ use parking_lot::Mutex;
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
+use crate::peer::Peer;
 use crate::protocol::{
     Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, MissReason, ServiceStatus,
 };
-use crate::service::{CheckpointService, ServiceConfig};
+use crate::service::{CheckpointService, Holder, ServiceConfig};
 
 use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, Request};
 
@@ -47,8 +58,14 @@ const ACCEPT_POLL: Duration = Duration::from_millis(100);
 /// Most `prepare_store` calls running on threads of their own at once
 /// (beyond it they run on the connection's thread).
 const MAX_OFFLOADED: usize = 256;
-/// A connection's read buffer is released after a frame larger than this.
-const KEEP_BUFFER: usize = 1 << 20;
+/// A connection's frame buffer is released after a frame larger than this.
+const KEEP_BUFFER: usize = 64 << 10;
+/// Bytes of a connection's socket read buffer.
+const READ_BUFFER: usize = 16 << 10;
+/// How long a closed connection's process may take to be reported gone
+/// (it closes its sockets just before it exits) for its leases to be
+/// reclaimed at once; later, the service's sweep reclaims them.
+const EXIT_GRACE: Duration = Duration::from_millis(250);
 
 /// Settings of the RPC layer (the service has its own [`ServiceConfig`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +76,17 @@ pub struct ServerConfig {
     /// Largest frame payload accepted or sent, in bytes.
     pub max_frame: usize,
     /// Most connections served at once; more are refused at the handshake.
+    /// Lowered at start to what the open-file limit allows beside the
+    /// descriptors kept for L2 and SQLite (see [`crate::limits`]).
     pub max_connections: usize,
+    /// Once a request frame started arriving, the whole frame must arrive
+    /// within this time, or the connection is closed. A connection idle
+    /// between frames is never timed out.
+    pub frame_timeout: Duration,
+    /// Bytes of unfinished and undecoded request frames buffered across
+    /// all connections; a frame that would exceed it closes its connection
+    /// with an `Unavailable` error.
+    pub max_buffered_bytes: usize,
     /// A reply that cannot be written within this time closes its connection.
     pub write_timeout: Duration,
     /// How long [`Server::shutdown`] lets live leases drain.
@@ -76,6 +103,8 @@ impl ServerConfig {
             socket: socket.into(),
             max_frame: wire::DEFAULT_MAX_FRAME,
             max_connections: 1024,
+            frame_timeout: Duration::from_secs(10),
+            max_buffered_bytes: 256 << 20,
             write_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
             remove_dir_on_stop: false,
@@ -152,6 +181,8 @@ struct Shared {
     service: Arc<CheckpointService>,
     config: ServerConfig,
     socket_id: (u64, u64),
+    /// The exclusive lock on `<socket>.lock`, held while the server runs.
+    lock: Mutex<Option<InstanceLock>>,
     admitting: AtomicBool,
     stopping: AtomicBool,
     conns: Mutex<HashMap<u64, Registered>>,
@@ -160,6 +191,10 @@ struct Shared {
     requests: AtomicU64,
     protocol_errors: AtomicU64,
     connections_total: AtomicU64,
+    /// Bytes of request frames being received, across connections.
+    buffered: wire::ByteBudget,
+    frames_timed_out: AtomicU64,
+    frames_over_budget: AtomicU64,
 }
 
 /// A running RPC server (see the [module docs](self)). Stops at
@@ -183,11 +218,12 @@ impl Server {
     /// Binds the socket, then opens the service (so a live server on the same
     /// socket is detected before its pool could be replaced), then serves.
     pub fn open(service: ServiceConfig, config: ServerConfig) -> Result<Server> {
-        let (listener, socket_id) = bind_socket(&config.socket)?;
+        let (listener, socket_id, lock) = bind_socket(&config.socket)?;
         match CheckpointService::open(service) {
-            Ok(svc) => Self::serve(Arc::new(svc), config, listener, socket_id),
+            Ok(svc) => Self::serve(Arc::new(svc), config, listener, socket_id, lock),
             Err(e) => {
                 remove_socket(&config.socket, socket_id);
+                drop(lock);
                 if config.remove_dir_on_stop {
                     remove_dir(&config.socket);
                 }
@@ -198,24 +234,35 @@ impl Server {
 
     /// Serves an already opened service.
     pub fn start(service: Arc<CheckpointService>, config: ServerConfig) -> Result<Server> {
-        let (listener, socket_id) = bind_socket(&config.socket)?;
-        Self::serve(service, config, listener, socket_id)
+        let (listener, socket_id, lock) = bind_socket(&config.socket)?;
+        Self::serve(service, config, listener, socket_id, lock)
     }
 
     fn serve(
         service: Arc<CheckpointService>,
-        config: ServerConfig,
+        mut config: ServerConfig,
         listener: UnixListener,
         socket_id: (u64, u64),
+        lock: InstanceLock,
     ) -> Result<Server> {
         if let Err(e) = listener.set_nonblocking(true) {
             remove_socket(&config.socket, socket_id);
             return Err(Error::io("make the RPC listener non-blocking", e));
         }
+        if config.max_buffered_bytes < config.max_frame {
+            remove_socket(&config.socket, socket_id);
+            return Err(Error::invalid(format!(
+                "rpc_max_buffered_bytes ({}) must be at least the frame limit ({} bytes)",
+                config.max_buffered_bytes, config.max_frame
+            )));
+        }
+        config.max_connections = connection_budget(config.max_connections);
+        let buffered = wire::ByteBudget::new(config.max_buffered_bytes);
         let shared = Arc::new(Shared {
             service,
             config,
             socket_id,
+            lock: Mutex::new(Some(lock)),
             admitting: AtomicBool::new(true),
             stopping: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
@@ -224,6 +271,9 @@ impl Server {
             requests: AtomicU64::new(0),
             protocol_errors: AtomicU64::new(0),
             connections_total: AtomicU64::new(0),
+            buffered,
+            frames_timed_out: AtomicU64::new(0),
+            frames_over_budget: AtomicU64::new(0),
         });
         let for_thread = shared.clone();
         let accept = std::thread::Builder::new()
@@ -324,6 +374,9 @@ impl Server {
             }
         };
         remove_socket(&shared.config.socket, shared.socket_id);
+        // The lock goes last: until the socket is gone, no new server may
+        // take this socket path over.
+        drop(shared.lock.lock().take());
         if shared.config.remove_dir_on_stop {
             remove_dir(&shared.config.socket);
         }
@@ -372,10 +425,45 @@ fn status_of(shared: &Shared) -> Result<ServiceStatus> {
             "rpc_protocol_errors",
             shared.protocol_errors.load(Ordering::Relaxed),
         ),
+        ("rpc_max_connections", shared.config.max_connections as u64),
+        ("rpc_buffered_bytes", shared.buffered.used() as u64),
+        (
+            "rpc_frames_timed_out",
+            shared.frames_timed_out.load(Ordering::Relaxed),
+        ),
+        (
+            "rpc_frames_over_budget",
+            shared.frames_over_budget.load(Ordering::Relaxed),
+        ),
     ];
     s.values
         .extend(rpc.into_iter().map(|(k, v)| (k.to_string(), v)));
     Ok(s)
+}
+
+/// Descriptors one served connection holds (the stream and its clones for
+/// the registry and the writer).
+const FDS_PER_CONNECTION: u64 = 3;
+
+/// Raises the open-file limit and lowers `configured` connections to what
+/// fits beside the descriptors kept for the tiers.
+fn connection_budget(configured: usize) -> usize {
+    let limit = crate::limits::raise_nofile_limit();
+    let Some(fit) = crate::limits::connections_that_fit(limit, FDS_PER_CONNECTION) else {
+        return configured;
+    };
+    let fit = usize::try_from(fit).unwrap_or(usize::MAX);
+    if fit < configured {
+        log::warn!(
+            "serving at most {fit} RPC connections (max_connections is {configured}): the \
+             open-file limit is {} and {} descriptors stay reserved for L2 and the directory; \
+             raise the hard limit (ulimit -Hn, systemd LimitNOFILE=) to serve more",
+            limit.soft.unwrap_or(0),
+            crate::limits::FD_RESERVE
+        );
+        return fit;
+    }
+    configured
 }
 
 // ---------------------------------------------------------------------------
@@ -385,11 +473,94 @@ fn stat_id(meta: &std::fs::Metadata) -> (u64, u64) {
     (meta.dev(), meta.ino())
 }
 
+/// The exclusive lock a running server holds on `<socket>.lock` (see the
+/// [module docs](self)). Dropping it removes the lock file (while still
+/// holding the lock, and only if the path still is this lock's file) and
+/// releases the lock.
+struct InstanceLock {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl Drop for InstanceLock {
+    fn drop(&mut self) {
+        if let (Ok(ours), Ok(now)) = (self.file.metadata(), std::fs::symlink_metadata(&self.path)) {
+            if stat_id(&ours) == stat_id(&now) {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    log::debug!("lock file {} not removed: {e}", self.path.display());
+                }
+            }
+        }
+        // Closing the file releases the flock.
+    }
+}
+
+/// `<socket>.lock`: the path of a socket's instance lock.
+fn lock_path(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Takes the instance lock of `socket` without waiting: a live server on
+/// that socket holds it, so the caller learns that instead of replacing its
+/// socket. The lock file is opened without following symlinks and created
+/// with mode 0600. A file unlinked (by a stopping server) between our open
+/// and our lock is not the lock any more: open and lock again.
+fn take_instance_lock(socket: &Path) -> Result<InstanceLock> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = lock_path(socket);
+    for _ in 0..16 {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| Error::io(format!("open lock file {}", path.display()), e))?;
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(Error::io(
+                    format!("bind {}", socket.display()),
+                    std::io::Error::new(
+                        IoKind::AddrInUse,
+                        format!(
+                            "another lmcache-rc server is running on this socket (it holds {}); \
+                             stop it first or choose another --socket",
+                            path.display()
+                        ),
+                    ),
+                ));
+            }
+            Err(e) => {
+                return Err(Error::io(format!("lock {}", path.display()), e.into()));
+            }
+        }
+        let ours = file
+            .metadata()
+            .map_err(|e| Error::io(format!("stat lock file {}", path.display()), e))?;
+        match std::fs::symlink_metadata(&path) {
+            Ok(now) if stat_id(&now) == stat_id(&ours) => {
+                return Ok(InstanceLock { path, file });
+            }
+            _ => continue, // replaced or removed meanwhile: try again
+        }
+    }
+    Err(Error::io(
+        format!("lock {}", path.display()),
+        std::io::Error::other("the lock file keeps being replaced"),
+    ))
+}
+
 /// Creates the directory (0700) if needed and checks an existing one;
-/// refuses a socket path that a live server answers on; binds under a
-/// temporary name, sets mode 0600, and renames it into place (so the socket
-/// is never reachable with a wider mode under its final name).
-fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64))> {
+/// takes the socket's instance lock (a live server holds it: refused);
+/// replaces a stale socket file; binds under a temporary name, sets mode
+/// 0600, and renames it into place (so the socket is never reachable with a
+/// wider mode under its final name).
+fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64), InstanceLock)> {
     let name = path.file_name().ok_or_else(|| {
         Error::invalid(format!("socket path {} has no file name", path.display()))
     })?;
@@ -404,8 +575,17 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64))> {
             .create(&dir)
             .map_err(|e| Error::io(format!("create socket directory {}", dir.display()), e))?;
     }
-    let meta = std::fs::metadata(&dir)
+    // lstat: a socket directory reached through a link is refused (another
+    // user could point it at a directory of theirs).
+    let meta = std::fs::symlink_metadata(&dir)
         .map_err(|e| Error::io(format!("stat socket directory {}", dir.display()), e))?;
+    if meta.file_type().is_symlink() {
+        return Err(Error::invalid(format!(
+            "socket directory {} is a symbolic link; lmcache-rc does not follow links there: \
+             pass a socket in a real directory to --socket",
+            dir.display()
+        )));
+    }
     let uid = rustix::process::geteuid().as_raw();
     if !meta.is_dir() {
         return Err(Error::invalid(format!(
@@ -422,14 +602,18 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64))> {
             meta.permissions().mode() & 0o7777
         )));
     }
+    let lock = take_instance_lock(path)?;
     match std::fs::symlink_metadata(path) {
         Ok(existing) if existing.file_type().is_socket() => {
+            // We hold the lock, so no lmcache-rc server of this build runs
+            // here; something that still answers is an older server or a
+            // stranger: refuse rather than steal its socket.
             if UnixStream::connect(path).is_ok() {
                 return Err(Error::io(
                     format!("bind {}", path.display()),
                     std::io::Error::new(
                         IoKind::AddrInUse,
-                        "another lmcache-rc server is listening on this socket",
+                        "another server is listening on this socket",
                     ),
                 ));
             }
@@ -468,7 +652,7 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64))> {
                 .map_err(|e| Error::io(format!("stat {}", path.display()), e))
         });
     match placed {
-        Ok(id) => Ok((listener, id)),
+        Ok(id) => Ok((listener, id, lock)),
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
             Err(e)
@@ -642,22 +826,44 @@ fn serve_connection(shared: Arc<Shared>, id: u64, stream: UnixStream) {
             return;
         }
     };
+    // Who is on the other end, read while it waits for the welcome.
+    let peer = Peer::of_socket(&stream).map(Arc::new);
+    let holder = match &peer {
+        Some(p) => Holder::Process(p.clone()),
+        None => {
+            log::info!(
+                "RPC connection {id}: the peer's process is not visible from here (another pid \
+                 namespace?); its leases end only when it finishes them"
+            );
+            Holder::Untracked
+        }
+    };
     let conn = Arc::new(Conn {
         id,
         writer: Mutex::new(writer),
         dead: AtomicBool::new(false),
     });
     if handshake(&shared, &conn, &stream) {
-        read_requests(&shared, &conn, stream);
+        read_requests(&shared, &conn, &holder, stream);
     }
     // Close now, even while a prepare_store of this connection still runs
     // on its own thread (its reply then goes nowhere; the lease stays live).
     let _ = conn.writer.lock().shutdown(std::net::Shutdown::Both);
     shared.conns.lock().remove(&id);
-    log::debug!("RPC connection {id} closed (its leases, if any, stay live until finished)");
+    match &peer {
+        Some(p) if !shared.stopping.load(Ordering::SeqCst) => {
+            let reclaimed = shared.service.peer_disconnected(p, EXIT_GRACE);
+            log::debug!(
+                "RPC connection {id} of {} closed; leases reclaimed: {reclaimed:?}",
+                p.key()
+            );
+        }
+        _ => log::debug!("RPC connection {id} closed"),
+    }
 }
 
-/// Reads the hello and answers it; false = the connection is done.
+/// Reads the hello and answers it; false = the connection is done. An
+/// accepted welcome carries the pool's descriptor.
 fn handshake(shared: &Shared, conn: &Conn, stream: &UnixStream) -> bool {
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let mut buf = Vec::new();
@@ -672,13 +878,19 @@ fn handshake(shared: &Shared, conn: &Conn, stream: &UnixStream) -> bool {
         Ok(v) => (*v, String::new()),
         Err(e) => (0, e.to_string()),
     };
-    let welcome = wire::encode_welcome(version, &message);
-    let sent = send_all(&conn.writer.lock(), &welcome);
     if let Err(e) = &answer {
+        let _ = send_all(
+            &conn.writer.lock(),
+            &wire::encode_welcome(version, &message),
+        );
         shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
         log::info!("RPC connection {}: handshake refused: {e}", conn.id);
         return false;
     }
+    // Accepted: the welcome names the pool and carries its descriptor.
+    let pool = shared.service.pool();
+    let welcome = wire::encode_welcome(version, pool.id());
+    let sent = wire::send_frame_with_fd(&conn.writer.lock(), &welcome, pool.as_fd());
     let _ = stream.set_read_timeout(None);
     sent.is_ok()
 }
@@ -687,24 +899,46 @@ fn negotiate_err(min: u32, max: u32) -> Result<u32> {
     wire::negotiate(min, max).map_err(Error::Protocol)
 }
 
-fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
-    let mut reader = BufReader::with_capacity(64 << 10, stream);
-    let mut buf = Vec::new();
+fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream: UnixStream) {
+    // The socket's read timeout wakes the reader of a stalled frame; a
+    // frame that started must complete within the frame timeout.
+    let _ = stream.set_read_timeout(Some(shared.config.frame_timeout));
+    let bounds = wire::FrameBounds {
+        max_frame: shared.config.max_frame,
+        frame_timeout: shared.config.frame_timeout,
+    };
+    let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
+    let mut buf = wire::FrameBuffer::new(&shared.buffered);
     loop {
         if conn.dead.load(Ordering::Relaxed) {
             break;
         }
-        match wire::read_frame(&mut reader, shared.config.max_frame, &mut buf) {
+        match wire::read_frame_bounded(&mut reader, &bounds, &mut buf) {
             Ok(()) => {}
             Err(FrameError::Eof) => break,
-            Err(e @ FrameError::Oversize { .. }) => {
-                shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            Err(
+                e @ (FrameError::Oversize { .. }
+                | FrameError::OverBudget { .. }
+                | FrameError::TimedOut { .. }),
+            ) => {
+                let kind = match e {
+                    FrameError::Oversize { .. } => {
+                        shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                        ErrorKind::Protocol
+                    }
+                    FrameError::OverBudget { .. } => {
+                        shared.frames_over_budget.fetch_add(1, Ordering::Relaxed);
+                        ErrorKind::Unavailable
+                    }
+                    _ => {
+                        shared.frames_timed_out.fetch_add(1, Ordering::Relaxed);
+                        ErrorKind::Protocol
+                    }
+                };
+                log::info!("RPC connection {}: {e}; closing it", conn.id);
+                buf.shrink(0);
                 let msg = format!("{e}; closing the connection");
-                conn.send(
-                    shared,
-                    CONNECTION_ERROR_ID,
-                    &Reply::error(ErrorKind::Protocol, msg),
-                );
+                conn.send(shared, CONNECTION_ERROR_ID, &Reply::error(kind, msg));
                 break;
             }
             Err(e) => {
@@ -715,7 +949,7 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
                 break;
             }
         }
-        let (rid, body) = match wire::split_id(&buf) {
+        let (rid, body) = match wire::split_id(buf.payload()) {
             Ok((rid, _)) if rid == CONNECTION_ERROR_ID => {
                 shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
                 conn.send(
@@ -736,26 +970,27 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
             }
         };
         shared.requests.fetch_add(1, Ordering::Relaxed);
-        match wire::decode_request(body) {
-            Ok(request) => dispatch(shared, conn, rid, request),
+        let decoded = wire::decode_request(body);
+        // The request owns its values now: the frame's memory goes back to
+        // the shared budget before the (possibly long) call runs.
+        buf.shrink(KEEP_BUFFER);
+        match decoded {
+            Ok(request) => dispatch(shared, conn, holder, rid, request),
             Err(e) => {
                 shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
                 conn.send(shared, rid, &Reply::from_result(Err(e)));
             }
         }
-        if buf.capacity() > KEEP_BUFFER {
-            buf = Vec::new();
-        }
     }
 }
 
 /// Runs a request inline, or on a thread of its own when it may wait long.
-fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, rid: u64, request: Request) {
+fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, request: Request) {
     let may_wait = matches!(request, Request::PrepareStore { .. });
     if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
-        let (s, c) = (shared.clone(), conn.clone());
+        let (s, c, h) = (shared.clone(), conn.clone(), holder.clone());
         let job = move || {
-            let reply = run(&s, request);
+            let reply = run(&s, &h, request);
             c.send(&s, rid, &reply);
             s.offloaded.fetch_sub(1, Ordering::SeqCst);
         };
@@ -779,15 +1014,15 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, rid: u64, request: Request) 
     if may_wait {
         shared.offloaded.fetch_sub(1, Ordering::SeqCst);
     }
-    let reply = run(shared, request);
+    let reply = run(shared, holder, request);
     conn.send(shared, rid, &reply);
 }
 
 /// Executes one request; a panic becomes an `Internal` error reply (I9).
-fn run(shared: &Shared, request: Request) -> Reply {
+fn run(shared: &Shared, holder: &Holder, request: Request) -> Reply {
     let name = request.name();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        request.apply(&Served(shared))
+        request.apply(&Served { shared, holder })
     }));
     match outcome {
         Ok(result) => Reply::from_result(result),
@@ -806,18 +1041,22 @@ fn run(shared: &Shared, request: Request) -> Reply {
     }
 }
 
-/// The service as the server exposes it: admission stops at shutdown
-/// (`begin` answers false, `prepare_store` and `begin_retrieve` miss with
-/// reason `shutdown`) and `status` adds the RPC layer's counters; every
+/// The service as the server exposes it to one connection: admission stops
+/// at shutdown (`begin` answers false, `prepare_store` and `begin_retrieve`
+/// miss with reason `shutdown`), the leases it grants are held by the
+/// connection's process, and `status` adds the RPC layer's counters; every
 /// other operation is the service's own.
-struct Served<'a>(&'a Shared);
+struct Served<'a> {
+    shared: &'a Shared,
+    holder: &'a Holder,
+}
 
 impl Served<'_> {
     fn admitting(&self) -> bool {
-        self.0.admitting.load(Ordering::SeqCst)
+        self.shared.admitting.load(Ordering::SeqCst)
     }
     fn service(&self) -> &CheckpointService {
-        &self.0.service
+        &self.shared.service
     }
 }
 
@@ -841,7 +1080,8 @@ impl Checkpoints for Served<'_> {
         if !self.admitting() {
             return Ok(Lease::miss(MissReason::Shutdown));
         }
-        self.service().prepare_store(manifest, rank)
+        self.service()
+            .prepare_store_for(self.holder, manifest, rank)
     }
     fn finish_store(&self, lease_id: &str, success: bool, rank: Option<u32>) -> Result<bool> {
         self.service().finish_store(lease_id, success, rank)
@@ -850,7 +1090,8 @@ impl Checkpoints for Served<'_> {
         if !self.admitting() {
             return Ok(Lease::miss(MissReason::Shutdown));
         }
-        self.service().begin_retrieve(manifest, rank)
+        self.service()
+            .begin_retrieve_for(self.holder, manifest, rank)
     }
     fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<Lease> {
         self.service().poll_retrieve(lease_id, rank)
@@ -862,7 +1103,7 @@ impl Checkpoints for Served<'_> {
         self.service().cancel_retrieve(lease_id, rank)
     }
     fn status(&self) -> Result<ServiceStatus> {
-        status_of(self.0)
+        status_of(self.shared)
     }
     fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
         self.service().clear(force, all_tiers)

@@ -7,8 +7,11 @@
 //! [`FrameError`] or an [`Error::Protocol`], an invalid value (a prefix or
 //! manifest the core refuses) an [`Error::InvalidInput`].
 
-use std::io::{self, Read};
-use std::os::fd::AsFd;
+use std::io::{self, IoSlice, IoSliceMut, Read};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -24,8 +27,10 @@ use crate::protocol::{
 pub const MAGIC: [u8; 4] = *b"LMRC";
 /// The protocol version this build speaks (also announced in capabilities).
 pub const PROTOCOL_VERSION: u32 = crate::protocol::PROTOCOL_VERSION;
-/// The oldest protocol version this build speaks.
-pub const MIN_PROTOCOL_VERSION: u32 = 1;
+/// The oldest protocol version this build speaks. Version 2 hands the pool
+/// over as a descriptor with the welcome; version 1 (a pool opened by name)
+/// is no longer spoken.
+pub const MIN_PROTOCOL_VERSION: u32 = 2;
 /// Default limit of one frame's payload (requests and replies): 64 MiB.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Bytes of the length prefix.
@@ -114,7 +119,7 @@ impl TryFrom<WireManifest> for Manifest {
 /// refuses (InvalidInput) a lease call for a lease another rank obtained.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    /// 0 — pool name and size, versions, durability. Reply: `Capabilities`.
+    /// 0 — pool id and size, versions, durability. Reply: `Capabilities`.
     Capabilities,
     /// 1 — the longest listed generation matching the roots. Reply: `Manifest`.
     Find {
@@ -271,8 +276,8 @@ pub struct WireCapabilities {
     pub format_version: u32,
     /// RPC protocol version.
     pub protocol_version: u32,
-    /// The SHM pool's name.
-    pub shm_name: String,
+    /// The SHM pool's id (new at every server start).
+    pub pool_id: String,
     /// The SHM pool's size in bytes.
     pub pool_size: u64,
     /// Whether the directory survives restarts.
@@ -284,7 +289,7 @@ impl From<Capabilities> for WireCapabilities {
         WireCapabilities {
             format_version: c.format_version,
             protocol_version: c.protocol_version,
-            shm_name: c.shm_name,
+            pool_id: c.pool_id,
             pool_size: c.pool_size,
             durable_index: c.durable_index,
         }
@@ -296,7 +301,7 @@ impl From<WireCapabilities> for Capabilities {
         Capabilities {
             format_version: c.format_version,
             protocol_version: c.protocol_version,
-            shm_name: c.shm_name,
+            pool_id: c.pool_id,
             pool_size: c.pool_size,
             durable_index: c.durable_index,
         }
@@ -327,6 +332,8 @@ pub struct WireLease {
     pub slots: Vec<Vec<Option<(u64, u64)>>>,
     /// Why a miss happened.
     pub reason: Option<String>,
+    /// The pool the slots belong to (ready leases).
+    pub pool_id: Option<String>,
 }
 
 impl From<Lease> for WireLease {
@@ -341,6 +348,7 @@ impl From<Lease> for WireLease {
             lease_id: l.lease_id,
             slots: l.slots,
             reason: l.reason.map(|r| r.as_str().to_string()),
+            pool_id: l.pool_id,
         }
     }
 }
@@ -357,6 +365,7 @@ impl From<WireLease> for Lease {
             lease_id: l.lease_id,
             slots: l.slots,
             reason: l.reason.as_deref().map(MissReason::from_name),
+            pool_id: l.pool_id,
         }
     }
 }
@@ -818,6 +827,23 @@ pub enum FrameError {
         /// The limit.
         max: usize,
     },
+    /// A frame had started but did not complete within the frame timeout
+    /// (see [`FrameBounds::frame_timeout`]).
+    TimedOut {
+        /// Bytes of the frame received.
+        got: usize,
+        /// Bytes the frame announced (length prefix included; 0 while the
+        /// length prefix itself was incomplete).
+        expected: usize,
+        /// The bound.
+        timeout: Duration,
+    },
+    /// Buffering the frame would exceed the bytes buffered across all
+    /// connections (see [`ByteBudget`]).
+    OverBudget {
+        /// The budget's limit in bytes.
+        limit: usize,
+    },
     /// The read failed (includes read timeouts).
     Io(io::Error),
 }
@@ -834,10 +860,158 @@ impl std::fmt::Display for FrameError {
                 f,
                 "a frame of {len} bytes exceeds the {max}-byte frame limit"
             ),
+            FrameError::TimedOut {
+                got,
+                expected,
+                timeout,
+            } => write!(
+                f,
+                "a frame did not complete within {:.1} s ({got} of {} bytes received)",
+                timeout.as_secs_f64(),
+                if *expected == 0 {
+                    "?".to_string()
+                } else {
+                    expected.to_string()
+                }
+            ),
+            FrameError::OverBudget { limit } => write!(
+                f,
+                "the server is already buffering {limit} bytes of unfinished frames across \
+                 its connections; retry later"
+            ),
             FrameError::Io(e) => write!(f, "read failed: {e}"),
         }
     }
 }
+
+/// Bytes of frames being received, shared by every connection of a server:
+/// a frame is buffered only as far as the budget allows, so stalled or
+/// oversized frames on many connections cannot exhaust memory.
+#[derive(Debug)]
+pub struct ByteBudget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl ByteBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: usize) -> ByteBudget {
+        ByteBudget {
+            limit,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    /// The limit in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Takes `n` bytes; false (nothing taken) when they do not fit.
+    fn take(&self, n: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|&total| total <= self.limit)
+            })
+            .is_ok()
+    }
+
+    /// Returns `n` bytes taken earlier.
+    fn give(&self, n: usize) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(n))
+            });
+    }
+}
+
+/// Bytes of a connection's frame buffer never charged to the budget: small
+/// requests are served even while large unfinished frames hold the budget.
+pub const UNCHARGED_BYTES: usize = 64 << 10;
+
+/// One connection's receive buffer, charged to a [`ByteBudget`] for its
+/// capacity beyond [`UNCHARGED_BYTES`]; the charge is returned when the
+/// buffer shrinks or is dropped.
+#[derive(Debug)]
+pub struct FrameBuffer<'a> {
+    buf: Vec<u8>,
+    charged: usize,
+    budget: &'a ByteBudget,
+}
+
+impl<'a> FrameBuffer<'a> {
+    /// An empty buffer charged to `budget`.
+    pub fn new(budget: &'a ByteBudget) -> FrameBuffer<'a> {
+        FrameBuffer {
+            buf: Vec::new(),
+            charged: 0,
+            budget,
+        }
+    }
+
+    /// The last frame's payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Releases the memory (and its charge) when it exceeds `keep` bytes.
+    pub fn shrink(&mut self, keep: usize) {
+        if self.buf.capacity() > keep {
+            self.buf = Vec::new();
+            self.budget.give(self.charged);
+            self.charged = 0;
+        }
+    }
+
+    /// Makes room for `more` bytes beyond the current length, charging the
+    /// growth beyond [`UNCHARGED_BYTES`]; false when the budget refuses it.
+    fn grow(&mut self, more: usize, cap: usize) -> bool {
+        let needed = self.buf.len().saturating_add(more);
+        if needed <= self.buf.capacity() {
+            return true;
+        }
+        let target = needed
+            .max(self.buf.capacity().saturating_mul(2))
+            .min(cap.max(needed));
+        let extra = target
+            .saturating_sub(UNCHARGED_BYTES)
+            .saturating_sub(self.charged);
+        if !self.budget.take(extra) {
+            return false;
+        }
+        self.charged += extra;
+        self.buf.reserve_exact(target - self.buf.len());
+        true
+    }
+}
+
+impl Drop for FrameBuffer<'_> {
+    fn drop(&mut self) {
+        self.budget.give(self.charged);
+    }
+}
+
+/// Limits on reading one frame ([`read_frame_bounded`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FrameBounds {
+    /// Largest payload accepted.
+    pub max_frame: usize,
+    /// Once the first byte of a frame arrived, the whole frame must arrive
+    /// within this time. The stream's read timeout must be set to it too
+    /// (so that a silent peer wakes the reader); a read that times out
+    /// before a frame started is not an error (idle connections are fine).
+    pub frame_timeout: Duration,
+}
+
+/// Bytes read per step: a frame's buffer grows as its bytes arrive, never
+/// by what its length prefix claims.
+const READ_STEP: usize = 64 << 10;
 
 /// Fills `buf` completely; `Ok(n < buf.len())` only at end of stream.
 fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
@@ -854,7 +1028,8 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 /// Reads one frame's payload into `buf` (replacing its contents). The limit
-/// is checked before anything beyond the length prefix is read.
+/// is checked before anything beyond the length prefix is read, and the
+/// buffer grows as bytes arrive (a length prefix alone allocates nothing).
 pub fn read_frame(
     r: &mut impl Read,
     max_frame: usize,
@@ -879,13 +1054,111 @@ pub fn read_frame(
         });
     }
     buf.clear();
-    buf.resize(len, 0);
-    let got = read_full(r, buf).map_err(FrameError::Io)?;
+    let got = (&mut *r)
+        .take(len as u64)
+        .read_to_end(buf)
+        .map_err(FrameError::Io)?;
     if got < len {
         return Err(FrameError::Truncated {
             got: LEN_BYTES + got,
             expected: LEN_BYTES + len,
         });
+    }
+    Ok(())
+}
+
+/// Whether a read error is the stream's read timeout.
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// [`read_frame`] for a server: a frame that started must complete within
+/// [`FrameBounds::frame_timeout`], and its buffer is charged to the shared
+/// budget as it grows (a frame the budget cannot hold is
+/// [`FrameError::OverBudget`]). Waiting for the first byte of a frame is
+/// unbounded: the stream's read timeout only wakes the loop.
+pub fn read_frame_bounded(
+    r: &mut impl Read,
+    bounds: &FrameBounds,
+    buf: &mut FrameBuffer<'_>,
+) -> std::result::Result<(), FrameError> {
+    let mut len = [0u8; LEN_BYTES];
+    let mut got = 0;
+    let mut deadline: Option<Instant> = None;
+    let timed_out = |got: usize, expected: usize| FrameError::TimedOut {
+        got,
+        expected,
+        timeout: bounds.frame_timeout,
+    };
+    // The length prefix: idle until its first byte.
+    while got < LEN_BYTES {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Err(FrameError::Eof),
+            Ok(0) => {
+                return Err(FrameError::Truncated {
+                    got,
+                    expected: LEN_BYTES,
+                });
+            }
+            Ok(n) => {
+                got += n;
+                let start = *deadline.get_or_insert_with(|| Instant::now() + bounds.frame_timeout);
+                if Instant::now() > start {
+                    return Err(timed_out(got, 0));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => match deadline {
+                None => {}
+                Some(d) if Instant::now() < d => {}
+                Some(_) => return Err(timed_out(got, 0)),
+            },
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+    }
+    let deadline = deadline.unwrap_or_else(|| Instant::now() + bounds.frame_timeout);
+    let len = u32::from_le_bytes(len) as usize;
+    if len > bounds.max_frame {
+        return Err(FrameError::Oversize {
+            len,
+            max: bounds.max_frame,
+        });
+    }
+    let expected = LEN_BYTES + len;
+    buf.buf.clear();
+    while buf.buf.len() < len {
+        let step = (len - buf.buf.len()).min(READ_STEP);
+        if !buf.grow(step, len) {
+            return Err(FrameError::OverBudget {
+                limit: buf.budget.limit(),
+            });
+        }
+        let at = buf.buf.len();
+        buf.buf.resize(at + step, 0);
+        let result = r.read(&mut buf.buf[at..]);
+        let n = match &result {
+            Ok(n) => *n,
+            Err(_) => 0,
+        };
+        buf.buf.truncate(at + n);
+        match result {
+            Ok(0) => {
+                return Err(FrameError::Truncated {
+                    got: LEN_BYTES + at,
+                    expected,
+                });
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {}
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+        if Instant::now() > deadline && buf.buf.len() < len {
+            return Err(timed_out(LEN_BYTES + buf.buf.len(), expected));
+        }
     }
     Ok(())
 }
@@ -914,4 +1187,129 @@ pub fn send_frame(
         }
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Frames that carry a descriptor (the welcome hands over the pool)
+
+/// [`send_frame`], with `fd` attached (`SCM_RIGHTS`) to the frame's first
+/// bytes: the receiver gets its own descriptor of the same open file.
+pub fn send_frame_with_fd(
+    stream: &std::os::unix::net::UnixStream,
+    frame: &[u8],
+    fd: BorrowedFd<'_>,
+) -> std::result::Result<(), (usize, io::Error)> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+    if frame.is_empty() {
+        return Err((0, io::Error::other("a descriptor needs at least one byte")));
+    }
+    let fds = [fd];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err((0, io::Error::other("no room for the descriptor")));
+    }
+    let sent = loop {
+        match sendmsg(
+            stream.as_fd(),
+            &[IoSlice::new(frame)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(0) => {
+                return Err((0, io::Error::new(io::ErrorKind::WriteZero, "socket closed")));
+            }
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err((0, e.into())),
+        }
+    };
+    send_frame(stream, &frame[sent..]).map_err(|(more, e)| (sent + more, e))
+}
+
+/// Most descriptors accepted with one frame; more are closed at once.
+const MAX_FDS: usize = 4;
+
+/// [`read_frame`] straight from a Unix socket (`recvmsg`), collecting the
+/// descriptors that arrive with the frame's bytes (close-on-exec). Reads
+/// exactly one frame, never a byte of the next. Descriptors beyond
+/// four per read are closed; ancillary data the kernel had to cut
+/// (`MSG_CTRUNC`) is an I/O error.
+pub fn read_frame_with_fds(
+    stream: &std::os::unix::net::UnixStream,
+    max_frame: usize,
+    buf: &mut Vec<u8>,
+) -> std::result::Result<Vec<OwnedFd>, FrameError> {
+    let mut fds = Vec::new();
+    let mut len = [0u8; LEN_BYTES];
+    match recv_full(stream, &mut len, &mut fds).map_err(FrameError::Io)? {
+        0 => return Err(FrameError::Eof),
+        n if n < LEN_BYTES => {
+            return Err(FrameError::Truncated {
+                got: n,
+                expected: LEN_BYTES,
+            });
+        }
+        _ => {}
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max_frame {
+        return Err(FrameError::Oversize {
+            len,
+            max: max_frame,
+        });
+    }
+    buf.clear();
+    buf.resize(len, 0);
+    let got = recv_full(stream, buf, &mut fds).map_err(FrameError::Io)?;
+    if got < len {
+        return Err(FrameError::Truncated {
+            got: LEN_BYTES + got,
+            expected: LEN_BYTES + len,
+        });
+    }
+    Ok(fds)
+}
+
+/// Fills `buf` with `recvmsg`; `Ok(n < buf.len())` only at end of stream.
+fn recv_full(
+    stream: &std::os::unix::net::UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<usize> {
+    use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recvmsg};
+    let mut got = 0;
+    while got < buf.len() {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let received = match recvmsg(
+            stream.as_fd(),
+            &mut [IoSliceMut::new(&mut buf[got..])],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(r) => r,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(received_fds) = message {
+                for fd in received_fds {
+                    if fds.len() < MAX_FDS {
+                        fds.push(fd);
+                    }
+                }
+            }
+        }
+        if received.flags.contains(ReturnFlags::CTRUNC) {
+            return Err(io::Error::other(
+                "the peer sent more descriptors than expected (ancillary data truncated)",
+            ));
+        }
+        if received.bytes == 0 {
+            break;
+        }
+        got += received.bytes;
+    }
+    Ok(got)
 }

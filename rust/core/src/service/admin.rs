@@ -19,7 +19,7 @@ pub(super) fn capabilities(inner: &Inner) -> Capabilities {
     Capabilities {
         format_version: FORMAT_VERSION,
         protocol_version: PROTOCOL_VERSION,
-        shm_name: inner.pool.name().to_string(),
+        pool_id: inner.pool.id().to_string(),
         pool_size: inner.pool.size(),
         durable_index: inner.config.checkpoint_index_path.is_some(),
     }
@@ -55,6 +55,12 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         ("l2_bytes", l2_bytes),
         ("l2_bytes_written", written),
         ("l2_queue", queued.max(io_queue)),
+        ("l2_write_retrying", inner.upkeep.retries_waiting() as u64),
+        ("pending_bytes", st.pending_bytes),
+        (
+            "stores_refused",
+            u64::from(inner.dir.read_only().is_some() || inner.upkeep.disk_full().is_some()),
+        ),
     ];
     let mut values: BTreeMap<String, u64> = gauges
         .into_iter()

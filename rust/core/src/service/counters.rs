@@ -15,7 +15,13 @@ named_enum! {
         BeginDraining = "begin_draining",
         /// `begin` refused a duplicate (identical generation pending or listed) or found no capacity.
         BeginSuppressed = "begin_suppressed",
-        /// Pending generations aborted because nothing happened for `abandoned_after`.
+        /// `begin` refused because pending manifests hold `max_pending_bytes`.
+        BeginRefusedPendingBytes = "begin_refused_pending_bytes",
+        /// `begin` refused because the disk is full (the directory is read-only
+        /// or a write failed for lack of space).
+        BeginRefusedNoSpace = "begin_refused_no_space",
+        /// Pending generations aborted because they were begun more than
+        /// `abandoned_after` ago (checked at every begin and by a timer).
         AbandonedGenerations = "abandoned_generations",
         /// Store pages reused without a copy (already resident).
         StorePagesReused = "store_pages_reused",
@@ -53,8 +59,10 @@ named_enum! {
         RetrievesCancelled = "retrieves_cancelled",
         /// L2 reads that proved a page lost (missing or corrupt file).
         L2CorruptOrMissing = "l2_corrupt_or_missing",
-        /// L2 writes that failed.
+        /// L2 writes that failed (each attempt).
         L2WriteErrors = "l2_write_errors",
+        /// Failed L2 writes scheduled for another attempt.
+        L2WriteRetries = "l2_write_retries",
         /// L2 writes skipped because the tier was full.
         L2SkippedFull = "l2_skipped_full",
         /// Objects deleted from every tier at zero references.
@@ -63,6 +71,10 @@ named_enum! {
         RestartRetired = "restart_retired",
         /// Clears performed.
         Clears = "clears",
+        /// Store leases aborted because their process was gone.
+        ReclaimedStoreLeases = "reclaimed_store_leases",
+        /// Retrieve leases released because their process was gone.
+        ReclaimedRetrieveLeases = "reclaimed_retrieve_leases",
     }
 }
 

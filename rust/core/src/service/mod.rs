@@ -15,6 +15,11 @@
 //!   effects (L2 writes, deletes and loads, directory retirements and
 //!   durable flags), and the L2 I/O jobs;
 //! - `admin`: capabilities, status, clear, list, close;
+//! - `reclaim`: who holds each lease (a process, or nobody watchable), the
+//!   reclaim of a gone process's leases, and the sweep that also aborts
+//!   abandoned pending generations;
+//! - `upkeep`: the background thread retrying failed L2 writes and
+//!   watching for space to return while stores are refused;
 //! - `state`: the object table and reference counts (changed only through
 //!   its methods), leases and pending generations; `counters`: event and
 //!   miss counts.
@@ -35,11 +40,13 @@ mod admin;
 mod counters;
 mod keys;
 mod open;
+mod reclaim;
 mod retrieve;
 mod state;
 mod store;
 mod tiers;
 mod types;
+mod upkeep;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,6 +63,7 @@ use crate::store::shm::ShmPool;
 
 pub use counters::Counter;
 pub use keys::object_keys;
+pub use reclaim::{Holder, Reclaimed, SWEEP_EVERY};
 pub use state::{L1, L2};
 pub use types::ServiceConfig;
 
@@ -73,17 +81,25 @@ struct Inner {
     l2: Option<Arc<L2Tier>>,
     io: Mutex<Option<IoPool>>,
     state: tiers::StateLock,
+    /// Retried L2 writes and the disk-full state (`upkeep`).
+    upkeep: upkeep::Upkeep,
+    /// Generations start-up found incomplete but could not retire (the
+    /// directory was read-only); retired once it is writable.
+    deferred_retire: Mutex<Vec<String>>,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.
 pub struct CheckpointService {
     inner: Arc<Inner>,
+    /// Sweeps for gone lease holders and abandoned generations; stopped by
+    /// a successful close and on drop.
+    reaper: Mutex<Option<reclaim::Reaper>>,
 }
 
 impl std::fmt::Debug for CheckpointService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CheckpointService")
-            .field("shm_name", &self.inner.pool.name())
+            .field("pool_id", &self.inner.pool.id())
             .field("l1_bytes", &self.inner.pool.size())
             .finish()
     }
@@ -109,9 +125,50 @@ impl CheckpointService {
 
     /// Closes the service: refuses (and stays usable) while store leases or
     /// exposed retrieve leases exist; otherwise cancels pending lookups, drains
-    /// the L2 queue, closes the directory and unlinks the pool (on drop).
+    /// the L2 queue and closes the directory (the pool's memory is freed when
+    /// the last process that maps it lets go).
     pub fn close(&self) -> Result<()> {
-        admin::close(&self.inner)
+        admin::close(&self.inner)?;
+        if let Some(mut reaper) = self.reaper.lock().take() {
+            reaper.stop();
+        }
+        Ok(())
+    }
+
+    /// [`Checkpoints::prepare_store`] for a lease held by `holder`: when
+    /// that process is gone, the lease is aborted (see `service::reclaim`).
+    /// The in-process call holds its leases [`Holder::Untracked`].
+    pub fn prepare_store_for(
+        &self,
+        holder: &Holder,
+        manifest: &Manifest,
+        rank: u32,
+    ) -> Result<Lease> {
+        store::prepare_store(&self.inner, holder, manifest, rank)
+    }
+
+    /// [`Checkpoints::begin_retrieve`] for a lease held by `holder`: when
+    /// that process is gone, the lease is released.
+    pub fn begin_retrieve_for(
+        &self,
+        holder: &Holder,
+        manifest: &Manifest,
+        rank: u32,
+    ) -> Result<Lease> {
+        retrieve::begin_retrieve(&self.inner, holder, manifest, rank)
+    }
+
+    /// A connection of `peer` closed: when the process is gone, or goes
+    /// within `grace` (it closes its sockets just before it is reported
+    /// gone), its leases are reclaimed now; a live process keeps them.
+    pub fn peer_disconnected(&self, peer: &crate::peer::Peer, grace: Duration) -> Reclaimed {
+        reclaim::peer_disconnected(&self.inner, peer, grace)
+    }
+
+    /// Reclaims now the leases of every holder that is gone (what the
+    /// background sweep does every [`SWEEP_EVERY`]).
+    pub fn reclaim_gone(&self) -> Reclaimed {
+        reclaim::sweep(&self.inner)
     }
 
     /// Test helper: waits until the L2 queue is empty (every listed generation durable).
@@ -136,13 +193,13 @@ impl Checkpoints for CheckpointService {
         store::abort(&self.inner, generation)
     }
     fn prepare_store(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
-        store::prepare_store(&self.inner, manifest, rank)
+        store::prepare_store(&self.inner, &Holder::Untracked, manifest, rank)
     }
     fn finish_store(&self, lease_id: &str, success: bool, rank: Option<u32>) -> Result<bool> {
         store::finish_store(&self.inner, lease_id, success, rank)
     }
     fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
-        retrieve::begin_retrieve(&self.inner, manifest, rank)
+        retrieve::begin_retrieve(&self.inner, &Holder::Untracked, manifest, rank)
     }
     fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<Lease> {
         retrieve::poll_retrieve(&self.inner, lease_id, rank)
@@ -169,6 +226,10 @@ impl CheckpointsAsync for CheckpointService {}
 
 impl Drop for CheckpointService {
     fn drop(&mut self) {
+        // Stop the sweeper first: it never holds the last reference.
+        if let Some(mut reaper) = self.reaper.lock().take() {
+            reaper.stop();
+        }
         // Drain background I/O while this handle still owns the service, so
         // no I/O thread ever drops the last reference (it would join itself).
         self.inner.drain_io();

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::Inner;
 use super::counters::Counter;
 use super::keys::object_keys;
+use super::reclaim::Holder;
 use super::state::{L1, L2, RetrieveLease, State};
 use super::store::check_rank;
 use crate::error::{Error, Result};
@@ -29,8 +30,14 @@ pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manife
 }
 
 /// Starts restoring one rank of a listed generation. Answers `pending`
-/// with a lease id (poll it) or `miss` (unlisted, retired, no budget).
-pub(super) fn begin_retrieve(inner: &Arc<Inner>, manifest: &Manifest, rank: u32) -> Result<Lease> {
+/// with a lease id (poll it) or `miss` (unlisted, retired, no budget). The
+/// lease is held by `holder` (released if that process dies).
+pub(super) fn begin_retrieve(
+    inner: &Arc<Inner>,
+    holder: &Holder,
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Lease> {
     let schema = manifest.payload_schema()?;
     let groups = object_keys(manifest, &schema, rank)?;
     let listed = inner.dir.get(manifest.generation())?;
@@ -58,6 +65,7 @@ pub(super) fn begin_retrieve(inner: &Arc<Inner>, manifest: &Manifest, rank: u32)
             rank,
             failed: None,
             started: Instant::now(),
+            holder: holder.clone(),
         },
     );
     advance_retrieve(&mut st, lease_no);
@@ -131,7 +139,11 @@ pub(super) fn poll_retrieve(
     if first_exposure {
         st.count(Counter::Hits, 1);
     }
-    Ok(Lease::ready(lease_id.to_string(), slots))
+    Ok(Lease::ready(
+        lease_id.to_string(),
+        inner.pool.id().to_string(),
+        slots,
+    ))
 }
 
 /// Ends an exposed retrieve lease after the worker's copy drained.

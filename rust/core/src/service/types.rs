@@ -8,8 +8,6 @@ use std::time::Duration;
 /// these fields are the ones below.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceConfig {
-    /// Name of the POSIX shared-memory pool (unique per server on a host).
-    pub shm_name: String,
     /// Size of the L1 pool in bytes (a multiple of 4096).
     pub l1_bytes: u64,
     /// Directory of the L2 object files; `None` = no L2 tier.
@@ -22,6 +20,8 @@ pub struct ServiceConfig {
     pub max_entries: u64,
     /// Most generations pending publication at once.
     pub max_pending: u64,
+    /// Most bytes the manifests of pending generations hold at once.
+    pub max_pending_bytes: u64,
     /// Most live leases (store + retrieve) at once.
     pub max_leases: usize,
     /// How long a store admission waits for L1 space before missing.
@@ -37,13 +37,13 @@ pub struct ServiceConfig {
 impl Default for ServiceConfig {
     fn default() -> Self {
         ServiceConfig {
-            shm_name: format!("lmcache-rc-{}", std::process::id()),
             l1_bytes: crate::store::shm::default_l1_bytes(),
             l2_path: None,
             l2_bytes: None,
             checkpoint_index_path: None,
             max_entries: 65_536,
             max_pending: 128,
+            max_pending_bytes: 256 << 20,
             max_leases: 1024,
             store_admission_timeout: Duration::from_secs(8),
             retrieve_timeout: Duration::from_secs(30),

@@ -1,18 +1,24 @@
-//! The shared-memory L1 pool: one POSIX shared-memory segment, created by the
-//! server (the owner) and mapped by every worker rank.
+//! The shared-memory L1 pool: one anonymous shared-memory file (`memfd`),
+//! created by the server (the owner) and mapped by every worker rank, which
+//! receives it as a file descriptor over the RPC socket (`SCM_RIGHTS`, see
+//! [`crate::rpc`]). The pool has no name: nothing in `/dev/shm` can collide
+//! with it, be squatted on by another user, or outlive a killed server.
 //!
-//! - The server calls [`ShmPool::create`]: the segment is created with mode
-//!   0600, sized, and its space is **reserved** at creation (`fallocate`), so a
-//!   full `/dev/shm` fails at start with [`Error::OutOfSpace`] instead of with
-//!   `SIGBUS` on a later page fault. A stale segment of the same name (left by
-//!   a crashed or restarted server) is unlinked and replaced. The owner unlinks
-//!   the segment when it is dropped, but only while the name still refers to
-//!   its own segment (a newer server's pool is never removed).
-//! - A worker calls [`ShmPool::open`]: it opens the existing segment by name
-//!   (never creates it), checks its size against the negotiated pool size and
-//!   never unlinks it. [`ShmPool::is_current`] tells whether the name still
-//!   refers to the mapped segment, i.e. whether the server restarted and
-//!   recreated its pool, so the worker should open it again.
+//! - The server calls [`ShmPool::create`]: `memfd_create` (close-on-exec,
+//!   sealable), sized, its whole size **reserved** at creation (`fallocate`,
+//!   after a check against the memory available to the process: anonymous
+//!   shared memory has no size limit of its own), so too little memory fails
+//!   at start with [`Error::OutOfSpace`] instead of with `SIGBUS` or the OOM
+//!   killer on a later page fault; then **sealed** against growing
+//!   and shrinking and against further seals (`F_SEAL_GROW | F_SEAL_SHRINK |
+//!   F_SEAL_SEAL`), so no process holding the descriptor can shrink it under
+//!   another's mapping (a `SIGBUS` for everyone) or seal it against writes.
+//!   Each pool gets a fresh random [`id`](ShmPool::id): a restarted server's
+//!   pool is never taken for its predecessor's.
+//! - A worker calls [`ShmPool::from_fd`] with the descriptor and the id and
+//!   size the server announced: it checks the size and the seals and maps
+//!   the file. The memory lives while any process maps it or holds the
+//!   descriptor, and is freed by the kernel when the last one goes.
 //!
 //! The memory is shared with other processes, which may read or write any byte
 //! of it at any time. The pool therefore never hands out Rust references
@@ -24,329 +30,217 @@
 //! The server itself only hands out offsets and lengths (invariant I10).
 
 use std::fmt;
-use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use memmap2::{MmapOptions, MmapRaw};
-use rustix::fs::{FallocateFlags, Mode};
+use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
-use rustix::shm;
 
 use crate::error::{Error, Result};
 
-/// Longest accepted pool name in bytes (without the leading `/`).
-pub const MAX_NAME_BYTES: usize = 200;
-
-/// Granularity of pool sizes and of the page-touching fallback.
+/// Granularity of pool sizes.
 const PAGE: u64 = 4096;
 
-/// Directory where Linux exposes POSIX shared-memory segments.
-const SHM_DIR: &str = "/dev/shm";
+/// The name the kernel shows for the pool's memfd (`/proc/<pid>/fd`,
+/// `/proc/<pid>/maps`: `/memfd:lmcache-rc-l1 (deleted)`).
+const MEMFD_NAME: &str = "lmcache-rc-l1";
 
-/// The file under `/dev/shm` that backs the segment called `name` (a leading
-/// `/` is ignored). The name is not validated here.
-pub fn shm_path(name: &str) -> PathBuf {
-    PathBuf::from(SHM_DIR).join(name.strip_prefix('/').unwrap_or(name))
+/// The seals every pool carries (and a worker insists on).
+fn required_seals() -> SealFlags {
+    SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
 }
 
-/// Validates a pool name and returns it without its leading `/`.
-fn normalise_name(name: &str) -> Result<String> {
-    let bare = name.strip_prefix('/').unwrap_or(name);
-    if bare.is_empty() {
-        return Err(Error::invalid("shared-memory pool name must not be empty"));
+/// A fresh pool id: 32 hex digits from the kernel's random source (a
+/// clock-and-pid hash if that fails), unique per pool and unpredictable.
+pub fn new_pool_id() -> String {
+    let mut bytes = [0u8; 16];
+    match rustix::rand::getrandom(&mut bytes[..], rustix::rand::GetRandomFlags::empty()) {
+        Ok(16) => {}
+        _ => {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0),
+            );
+            h.write_u32(std::process::id());
+            bytes[..8].copy_from_slice(&h.finish().to_le_bytes());
+            h.write_u8(1);
+            bytes[8..].copy_from_slice(&h.finish().to_le_bytes());
+        }
     }
-    if bare.contains('/') {
-        return Err(Error::invalid(format!(
-            "shared-memory pool name {name:?} must not contain '/' (other than one leading '/')"
-        )));
-    }
-    if bare.contains('\0') {
-        return Err(Error::invalid(format!(
-            "shared-memory pool name {name:?} must not contain NUL bytes"
-        )));
-    }
-    if bare == "." || bare == ".." {
-        return Err(Error::invalid(format!(
-            "shared-memory pool name {name:?} is not a valid segment name"
-        )));
-    }
-    if bare.len() > MAX_NAME_BYTES {
-        return Err(Error::invalid(format!(
-            "shared-memory pool name is {} bytes long; at most {MAX_NAME_BYTES} are allowed",
-            bare.len()
-        )));
-    }
-    Ok(bare.to_owned())
+    hex::encode(bytes)
 }
 
-/// `(st_dev, st_ino)` of a stat result. The field types differ between
-/// targets (`c_ulong` or `u64`), hence the casts.
-#[allow(clippy::unnecessary_cast)]
-fn dev_ino(st: &rustix::fs::Stat) -> (u64, u64) {
-    (st.st_dev as u64, st.st_ino as u64)
-}
-
-/// Free bytes of the filesystem holding `fd`, or `None` when it reports no
-/// limit (a tmpfs mounted with `size=0` reports zero blocks).
-fn free_bytes(fd: &OwnedFd) -> Option<u64> {
-    let vfs = rustix::fs::fstatvfs(fd).ok()?;
-    if vfs.f_blocks == 0 {
-        return None;
-    }
-    Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
-}
-
-fn out_of_space(name: &str, size: u64, free: Option<u64>) -> Error {
-    let free = match free {
-        Some(bytes) => format!("only {bytes} bytes"),
-        None => "too little space".to_owned(),
+fn out_of_space(size: u64, available: Option<u64>) -> Error {
+    let available = match available {
+        Some(bytes) => format!("only {bytes} bytes are available"),
+        None => "the host or this process's memory limit (cgroup) does not allow it".to_owned(),
     };
     Error::OutOfSpace(format!(
-        "cannot reserve {size} bytes of shared memory for pool {name}: {SHM_DIR} has {free} free; \
-         lower --l1-bytes or free {SHM_DIR}"
+        "cannot reserve {size} bytes of shared memory for the L1 pool: {available}; lower \
+         --l1-bytes"
     ))
 }
 
-/// One mapped POSIX shared-memory segment: the L1 payload pool.
+/// One mapped shared-memory file: the L1 payload pool.
 ///
 /// See the [module documentation](self) for the ownership rules. The mapping
 /// is plain memory, so the pool is `Send + Sync`; every access to its bytes
 /// goes through raw pointers.
 pub struct ShmPool {
-    /// Normalised name, without the leading `/`.
-    name: String,
+    id: String,
     size: u64,
     owner: bool,
-    identity: (u64, u64),
+    fd: OwnedFd,
     map: MmapRaw,
 }
 
 impl fmt::Debug for ShmPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ShmPool")
-            .field("name", &self.name)
+            .field("id", &self.id)
             .field("size", &self.size)
             .field("owner", &self.owner)
-            .field("identity", &self.identity)
             .field("ptr", &self.map.as_mut_ptr())
             .finish()
     }
 }
 
-/// Unlinks a freshly created segment unless defused (used while `create` can
-/// still fail, so nothing leaks).
-struct UnlinkGuard<'a> {
-    segment: &'a str,
-    armed: bool,
-}
-
-impl Drop for UnlinkGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            if let Err(e) = shm::unlink(self.segment) {
-                log::warn!(
-                    "could not remove shared-memory segment {} after a failed create: {e}",
-                    self.segment
-                );
-            }
-        }
-    }
+/// A pool length as `usize` (a pool beyond the address space is refused).
+fn map_len(size: u64) -> Result<usize> {
+    usize::try_from(size).map_err(|_| {
+        Error::invalid(format!(
+            "shared-memory pool size {size} does not fit this platform's address space"
+        ))
+    })
 }
 
 impl ShmPool {
-    /// Creates the pool segment `name` (server side; the pool owns it).
+    /// Creates a pool of `size` bytes (server side; the pool owns it).
     ///
-    /// `name` may start with `/`; it must not be empty, contain another `/`
-    /// or be longer than [`MAX_NAME_BYTES`]. `size` must be a positive
-    /// multiple of 4096. A stale segment of the same name is unlinked first
-    /// (with a warning). The whole size is reserved now: too little space in
-    /// `/dev/shm` gives [`Error::OutOfSpace`]. On any failure the new segment
-    /// is unlinked again.
-    pub fn create(name: &str, size: u64) -> Result<ShmPool> {
-        let name = normalise_name(name)?;
+    /// `size` must be a positive multiple of 4096. The whole size is reserved
+    /// now: too little memory gives [`Error::OutOfSpace`]. Nothing is left
+    /// behind on any failure (the memory has no name).
+    pub fn create(size: u64) -> Result<ShmPool> {
         if size == 0 || size % PAGE != 0 {
             return Err(Error::invalid(format!(
                 "shared-memory pool size must be a positive multiple of {PAGE} bytes, got {size}"
             )));
         }
-        let len = usize::try_from(size).map_err(|_| {
-            Error::invalid(format!(
-                "shared-memory pool size {size} does not fit this platform's address space"
-            ))
-        })?;
-        let segment = format!("/{name}");
-
-        match shm::unlink(segment.as_str()) {
-            Ok(()) => log::warn!(
-                "replaced a stale shared-memory segment {segment} (left by an earlier server)"
-            ),
-            Err(Errno::NOENT) => {}
-            Err(e) => {
-                return Err(Error::io(
-                    format!("remove stale shared-memory segment {segment}"),
-                    e.into(),
-                ));
-            }
+        let len = map_len(size)?;
+        // Anonymous shared memory has no size limit of its own (unlike a
+        // tmpfs mount): reserving more than the memory there is would fill
+        // it until the OOM killer steps in. Refuse that up front.
+        if let Some(available) = mem_available().filter(|&a| a < size) {
+            return Err(out_of_space(size, Some(available)));
         }
-
-        let mode = Mode::RUSR | Mode::WUSR;
-        let fd = shm::open(
-            segment.as_str(),
-            shm::OFlags::CREATE | shm::OFlags::EXCL | shm::OFlags::RDWR,
-            mode,
-        )
-        .map_err(|e| Error::io(format!("create shared-memory segment {segment}"), e.into()))?;
-        let mut guard = UnlinkGuard {
-            segment: &segment,
-            armed: true,
-        };
-
-        // shm_open applies the umask; make the mode exactly 0600.
-        rustix::fs::fchmod(&fd, mode)
-            .map_err(|e| Error::io(format!("chmod shared-memory segment {segment}"), e.into()))?;
+        let base = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        // NOEXEC_SEAL (Linux 6.3) keeps the pool non-executable for good;
+        // older kernels refuse the flag.
+        let fd = match rustix::fs::memfd_create(MEMFD_NAME, base | MemfdFlags::NOEXEC_SEAL) {
+            Err(Errno::INVAL) => rustix::fs::memfd_create(MEMFD_NAME, base),
+            other => other,
+        }
+        .map_err(|e| Error::io("create the shared-memory pool (memfd_create)", e.into()))?;
         rustix::fs::ftruncate(&fd, size).map_err(|e| {
             Error::io(
-                format!("size shared-memory segment {segment} to {size} bytes"),
+                format!("size the shared-memory pool to {size} bytes"),
                 e.into(),
             )
         })?;
-
-        // Refuse early (without touching memory) when the space is obviously
-        // missing; fallocate below still catches a race with other users.
-        let free = free_bytes(&fd);
-        if free.is_some_and(|free| free < size) {
-            return Err(out_of_space(&name, size, free));
-        }
-        let touch_pages = loop {
+        loop {
             match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, size) {
-                Ok(()) => break false,
+                Ok(()) => break,
                 Err(Errno::INTR) => continue,
-                Err(Errno::NOSPC) | Err(Errno::NOMEM) => {
-                    return Err(out_of_space(&name, size, free_bytes(&fd)));
-                }
-                Err(Errno::OPNOTSUPP) | Err(Errno::NOSYS) => break true,
+                Err(Errno::NOSPC) | Err(Errno::NOMEM) => return Err(out_of_space(size, None)),
                 Err(e) => {
                     return Err(Error::io(
-                        format!("reserve {size} bytes for shared-memory segment {segment}"),
+                        format!("reserve {size} bytes for the shared-memory pool"),
                         e.into(),
                     ));
                 }
             }
-        };
-
+        }
+        rustix::fs::fcntl_add_seals(&fd, required_seals())
+            .map_err(|e| Error::io("seal the shared-memory pool", e.into()))?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw(&fd)
-            .map_err(|e| Error::io(format!("map shared-memory segment {segment}"), e))?;
-
-        if touch_pages {
-            // Without fallocate, the only way to reserve is to fault every page
-            // in. A page that cannot be backed would raise SIGBUS here instead
-            // of an error, so the free-space check above is all that protects
-            // us; the check ran (and passed) already unless the filesystem
-            // reports no limit.
-            log::warn!(
-                "fallocate is not supported for {segment}; reserving its {size} bytes by touching every page"
-            );
-            let base = map.as_mut_ptr();
-            let mut offset = 0usize;
-            while offset < len {
-                // SAFETY: `offset < len`, the length of the live mapping, so the
-                // pointer is inside it. The segment was created just now with
-                // O_EXCL and is all zero bytes; writing a zero byte changes no
-                // content even if another process opened it meanwhile. A
-                // volatile write keeps the compiler from eliding the fault.
-                unsafe { base.add(offset).write_volatile(0) };
-                offset += PAGE as usize;
-            }
-        }
-
-        let st = rustix::fs::fstat(&fd)
-            .map_err(|e| Error::io(format!("stat shared-memory segment {segment}"), e.into()))?;
-        guard.armed = false;
-        drop(guard);
+            .map_err(|e| Error::io("map the shared-memory pool", e))?;
         Ok(ShmPool {
-            name,
+            id: new_pool_id(),
             size,
             owner: true,
-            identity: dev_ino(&st),
+            fd,
             map,
         })
     }
 
-    /// Opens the existing pool segment `name` (worker side).
+    /// Maps a pool received as `fd` (worker side), which the server
+    /// announced as pool `id` of `expected_size` bytes.
     ///
-    /// Never creates the segment and never unlinks it. A missing segment is
-    /// [`Error::NotFound`]; a segment whose size is not `expected_size` (the
-    /// pool size negotiated with the server) is [`Error::InvalidInput`].
-    pub fn open(name: &str, expected_size: u64) -> Result<ShmPool> {
-        Self::open_with(name, expected_size, false)
+    /// Refused with [`Error::InvalidInput`]: a descriptor whose size is not
+    /// `expected_size`, or that is not a sealed pool (it could shrink under
+    /// the mapping); an empty id.
+    pub fn from_fd(fd: OwnedFd, id: &str, expected_size: u64) -> Result<ShmPool> {
+        Self::from_fd_with(fd, id, expected_size, false)
     }
 
-    /// [`open`](Self::open), optionally pre-faulting the whole mapping
+    /// [`from_fd`](Self::from_fd), pre-faulting the whole mapping
     /// (`MAP_POPULATE`): a worker that copies into arbitrary slots then pays
     /// the page-table cost once, at mapping time, instead of on every first
     /// touch of a slot during a copy.
-    pub fn open_populated(name: &str, expected_size: u64) -> Result<ShmPool> {
-        Self::open_with(name, expected_size, true)
+    pub fn from_fd_populated(fd: OwnedFd, id: &str, expected_size: u64) -> Result<ShmPool> {
+        Self::from_fd_with(fd, id, expected_size, true)
     }
 
-    fn open_with(name: &str, expected_size: u64, populate: bool) -> Result<ShmPool> {
-        let name = normalise_name(name)?;
-        let segment = format!("/{name}");
-        let fd = match shm::open(segment.as_str(), shm::OFlags::RDWR, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT) => {
-                return Err(Error::NotFound(format!(
-                    "shared-memory pool {name} does not exist (is the lmcache-rc sidecar running?)"
-                )));
-            }
-            Err(e) => {
-                return Err(Error::io(
-                    format!("open shared-memory segment {segment}"),
-                    e.into(),
-                ));
-            }
-        };
+    fn from_fd_with(fd: OwnedFd, id: &str, expected_size: u64, populate: bool) -> Result<ShmPool> {
+        if id.is_empty() {
+            return Err(Error::invalid("the shared-memory pool has no id"));
+        }
         let st = rustix::fs::fstat(&fd)
-            .map_err(|e| Error::io(format!("stat shared-memory segment {segment}"), e.into()))?;
+            .map_err(|e| Error::io("stat the shared-memory pool", e.into()))?;
         let actual = u64::try_from(st.st_size).unwrap_or(0);
-        if actual != expected_size {
+        if actual != expected_size || actual == 0 {
             return Err(Error::invalid(format!(
-                "shared-memory pool {name} is {actual} bytes but {expected_size} were expected \
+                "the shared-memory pool {id} is {actual} bytes but {expected_size} were announced \
                  (the pool does not match the negotiated pool size)"
             )));
         }
-        if actual == 0 {
-            return Err(Error::invalid(format!(
-                "shared-memory pool {name} is empty (0 bytes)"
-            )));
-        }
-        let len = usize::try_from(expected_size).map_err(|_| {
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
             Error::invalid(format!(
-                "shared-memory pool size {expected_size} does not fit this platform's address space"
+                "the descriptor received as shared-memory pool {id} is not a sealed pool ({e})"
             ))
         })?;
+        if !seals.contains(required_seals()) {
+            return Err(Error::invalid(format!(
+                "the shared-memory pool {id} is not sealed against resizing (seals {seals:?}); \
+                 it could shrink under this mapping"
+            )));
+        }
         let mut options = MmapOptions::new();
-        options.len(len);
+        options.len(map_len(expected_size)?);
         if populate {
             options.populate();
         }
         let map = options
             .map_raw(&fd)
-            .map_err(|e| Error::io(format!("map shared-memory segment {segment}"), e))?;
+            .map_err(|e| Error::io(format!("map shared-memory pool {id}"), e))?;
         Ok(ShmPool {
-            name,
+            id: id.to_string(),
             size: expected_size,
             owner: false,
-            identity: dev_ino(&st),
+            fd,
             map,
         })
     }
 
-    /// The pool name, without the leading `/`.
-    pub fn name(&self) -> &str {
-        &self.name
+    /// The pool id: random, fresh for every pool the server creates.
+    pub fn id(&self) -> &str {
+        &self.id
     }
 
     /// Size of the mapping in bytes.
@@ -354,23 +248,20 @@ impl ShmPool {
         self.size
     }
 
-    /// True for the creating (server) side, which unlinks the segment on drop.
+    /// True for the creating (server) side.
     pub fn is_owner(&self) -> bool {
         self.owner
     }
 
-    /// `(st_dev, st_ino)` of the mapped segment.
-    pub fn identity(&self) -> (u64, u64) {
-        self.identity
+    /// The pool's descriptor (to hand to a worker; see [`share`](Self::share)).
+    pub fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 
-    /// Whether `/dev/shm/<name>` still is the mapped segment. False when it is
-    /// gone or was replaced (the server restarted and recreated its pool).
-    pub fn is_current(&self) -> bool {
-        match rustix::fs::stat(shm_path(&self.name)) {
-            Ok(st) => dev_ino(&st) == self.identity,
-            Err(_) => false,
-        }
+    /// A new descriptor of the pool (close-on-exec) for another mapping.
+    pub fn share(&self) -> Result<OwnedFd> {
+        rustix::io::fcntl_dupfd_cloexec(&self.fd, 0)
+            .map_err(|e| Error::io("duplicate the shared-memory pool descriptor", e.into()))
     }
 
     /// Base address of the mapping (valid for [`size`](Self::size) bytes while
@@ -391,8 +282,8 @@ impl ShmPool {
                 usize::try_from(offset).map_err(|_| Error::invalid("offset overflows usize"))
             }
             _ => Err(Error::invalid(format!(
-                "range of {len} bytes at offset {offset} is outside the shared-memory pool {} of {} bytes",
-                self.name, self.size
+                "range of {len} bytes at offset {offset} is outside the shared-memory pool of {} bytes",
+                self.size
             ))),
         }
     }
@@ -483,113 +374,93 @@ impl ShmPool {
     }
 }
 
-impl Drop for ShmPool {
-    fn drop(&mut self) {
-        // The mapping itself is unmapped when `self.map` drops.
-        if !self.owner {
-            return;
-        }
-        // Unlink only our own segment: a newer server may have replaced it
-        // under the same name, and its pool must survive us.
-        if !self.is_current() {
-            log::info!(
-                "shared-memory segment /{} was replaced or removed; not unlinking it",
-                self.name
-            );
-            return;
-        }
-        let segment = format!("/{}", self.name);
-        if let Err(e) = shm::unlink(segment.as_str()) {
-            log::warn!("could not remove shared-memory segment {segment}: {e}");
-        }
-    }
-}
-
-/// The default L1 pool size: a quarter of the free space of `/dev/shm`, at
-/// most 1 GiB and at least 16 MiB (64 MiB when `/dev/shm` cannot be read),
-/// rounded down to 4 KiB.
+/// The default L1 pool size: a quarter of the memory available to this
+/// process (`MemAvailable`, and the cgroup's `memory.max` when set), at most
+/// 1 GiB and at least 16 MiB (64 MiB when neither can be read), rounded down
+/// to 4 KiB.
 pub fn default_l1_bytes() -> u64 {
     const GIB: u64 = 1 << 30;
-    let free = rustix::fs::statvfs("/dev/shm")
-        .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
-        .unwrap_or(0);
-    let size = if free > 0 {
-        GIB.min(free / 4)
-    } else {
-        64 << 20
+    let available = mem_available();
+    let size = match available {
+        Some(bytes) if bytes > 0 => GIB.min(bytes / 4),
+        _ => 64 << 20,
     };
     let size = size.max(16 << 20);
     size - size % 4096
 }
 
-/// The pool name derived from a server's socket path, unique per socket:
-/// `lmcache-rc-` + the first 16 hex digits of SHA-256 of the absolute path
-/// (made absolute and normalised lexically, like Python's `os.path.abspath`).
-pub fn shm_name_for(socket: &std::path::Path) -> String {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(absolute_lexical(socket));
-    format!("lmcache-rc-{}", &hex::encode(digest)[..16])
+/// Bytes of memory this process may still fill: the smaller of the host's
+/// `MemAvailable` and its memory cgroup's limit (v2 `memory.max`, v1
+/// `memory.limit_in_bytes`, the lowest along the cgroup's ancestors); None
+/// when neither can be read.
+pub fn mem_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|line| {
+                let rest = line.strip_prefix("MemAvailable:")?;
+                let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+                kib.checked_mul(1024)
+            })
+        });
+    match (meminfo, cgroup_memory_limit()) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
-/// `path` joined to the working directory and normalised without touching
-/// the filesystem: `.` and empty components dropped, `..` removing the
-/// component before it (never above the root), POSIX's `//` prefix kept.
-fn absolute_lexical(path: &std::path::Path) -> Vec<u8> {
-    use std::os::unix::ffi::OsStrExt;
-    let joined = if path.is_absolute() {
-        path.to_path_buf()
-    } else {
-        std::env::current_dir()
-            .unwrap_or_else(|_| PathBuf::from("/"))
-            .join(path)
-    };
-    let bytes = joined.as_os_str().as_bytes();
-    let leading = bytes.iter().take_while(|b| **b == b'/').count();
-    let mut parts: Vec<&[u8]> = Vec::new();
-    for part in bytes.split(|b| *b == b'/') {
-        match part {
-            b"" | b"." => {}
-            b".." => {
-                parts.pop();
+/// The memory limit of this process's cgroup (the lowest along its
+/// ancestors), if any is set and readable.
+fn cgroup_memory_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut lowest: Option<u64> = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (root, file) = if id == "0" && controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let mut dir = std::path::PathBuf::from(root).join(path.trim_start_matches('/'));
+        loop {
+            let limit = std::fs::read_to_string(dir.join(file))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                // v1 reports "no limit" as a huge page-rounded number.
+                .filter(|&l| l < (1 << 62));
+            if let Some(l) = limit {
+                lowest = Some(lowest.map_or(l, |x| x.min(l)));
             }
-            other => parts.push(other),
+            if dir.as_os_str().len() <= root.len() || !dir.pop() {
+                break;
+            }
         }
     }
-    let mut out = if leading == 2 {
-        b"//".to_vec()
-    } else {
-        b"/".to_vec()
-    };
-    out.extend(parts.join(&b'/'));
-    out
+    lowest
 }
 
 #[cfg(test)]
-mod naming_tests {
+mod tests {
     use super::*;
-
-    #[test]
-    fn the_derived_pool_name_normalises_the_socket_path() {
-        let a = shm_name_for(std::path::Path::new("/run/user/1/lmcache-rc/sidecar.sock"));
-        let b = shm_name_for(std::path::Path::new(
-            "/run//user/1/./x/../lmcache-rc/sidecar.sock",
-        ));
-        assert_eq!(a, b);
-        // Python's sha256(os.path.abspath(p).encode()), the name earlier
-        // releases derived, so a restarted sidecar still replaces its segment.
-        assert_eq!(a, "lmcache-rc-da89d37b665bf122");
-        assert!(a.starts_with("lmcache-rc-") && a.len() == "lmcache-rc-".len() + 16);
-        assert_ne!(a, shm_name_for(std::path::Path::new("/tmp/other.sock")));
-        assert_eq!(
-            absolute_lexical(std::path::Path::new("/a/b/../../../c")),
-            b"/c".to_vec()
-        );
-    }
 
     #[test]
     fn the_default_pool_size_is_page_aligned_and_bounded() {
         let size = default_l1_bytes();
         assert_eq!(size % 4096, 0);
         assert!((16 << 20..=1 << 30).contains(&size), "{size}");
+    }
+
+    #[test]
+    fn pool_ids_are_fresh_hex() {
+        let a = new_pool_id();
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(a, new_pool_id());
     }
 }

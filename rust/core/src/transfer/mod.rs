@@ -57,4 +57,4 @@ pub use backend::{
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, Outcome, TransferEngine};
 pub use layout::{GroupLayout, PageLayout, PoolShape, RegionTemplate};
 pub use plan::{CopyPlan, Direction, PageCopy};
-pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};
+pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, PoolSource, ReplyHandle};

@@ -246,13 +246,13 @@ pub fn check_pool(caps: &Capabilities, pool: &ShmPool) -> Result<()> {
             caps.format_version
         )));
     }
-    let name = caps.shm_name.trim_start_matches('/');
-    if name != pool.name() || caps.pool_size != pool.size() {
+    if caps.pool_id != pool.id() || caps.pool_size != pool.size() {
         return Err(Error::invalid(format!(
-            "the lease does not identify this SHM pool/layout: the sidecar names pool {name:?} of \
+            "the lease does not identify this SHM pool/layout: the sidecar names pool {:?} of \
              {} bytes, the worker mapped {:?} of {} bytes",
+            caps.pool_id,
             caps.pool_size,
-            pool.name(),
+            pool.id(),
             pool.size()
         )));
     }
@@ -279,6 +279,14 @@ pub fn plan_copy(
             "a {} lease is not ready (status {})",
             direction.as_str(),
             lease.status.as_str()
+        )));
+    }
+    if lease.pool_id.as_deref() != Some(pool.id()) {
+        return Err(Error::invalid(format!(
+            "the lease does not identify this SHM pool/layout: its slots are in pool {:?}, the \
+             worker mapped {:?}",
+            lease.pool_id.as_deref().unwrap_or("(none named)"),
+            pool.id()
         )));
     }
     let layout_groups = groups;

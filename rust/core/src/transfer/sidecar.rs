@@ -1,6 +1,7 @@
 //! How the transfer engine talks to the checkpoint service.
 //!
-//! The engine needs six lease operations and the capabilities, and for the
+//! The engine needs six lease operations and the pool (its capabilities and
+//! a descriptor to map, see [`PoolSource`]), and for the
 //! RPC-timeout reconciliation of spec §7.3 it must be able to wait *again on
 //! the same reply* rather than send a second request. [`LeaseApi`] therefore
 //! hands out a [`ReplyHandle`] per call. Its calls are the `*_async`
@@ -10,12 +11,15 @@
 //! tests also implement [`LeaseApi`] to inject slow, lost or malformed
 //! replies.
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::Result;
 use crate::manifest::Manifest;
-use crate::protocol::{Capabilities, Checkpoints, CheckpointsAsync, Lease, Pending};
+use crate::protocol::{Capabilities, CheckpointsAsync, Lease, Pending};
+use crate::rpc::Client;
+use crate::service::CheckpointService;
 
 /// One lease operation of a transfer job.
 #[derive(Debug, Clone)]
@@ -33,6 +37,8 @@ pub enum LeaseCall {
         lease_id: String,
         /// Whether the copy completed.
         success: bool,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
     /// Start restoring one rank's pages.
     BeginRetrieve {
@@ -45,20 +51,38 @@ pub enum LeaseCall {
     PollRetrieve {
         /// The lease.
         lease_id: String,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
     /// End an exposed retrieve lease after the copy drained.
     FinishRetrieve {
         /// The lease.
         lease_id: String,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
     /// Give up a retrieve that exposed nothing.
     CancelRetrieve {
         /// The lease.
         lease_id: String,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
 }
 
 impl LeaseCall {
+    /// The rank the call is made for.
+    pub fn rank(&self) -> u32 {
+        match self {
+            LeaseCall::PrepareStore { rank, .. }
+            | LeaseCall::FinishStore { rank, .. }
+            | LeaseCall::BeginRetrieve { rank, .. }
+            | LeaseCall::PollRetrieve { rank, .. }
+            | LeaseCall::FinishRetrieve { rank, .. }
+            | LeaseCall::CancelRetrieve { rank, .. } => *rank,
+        }
+    }
+
     /// The operation's name, for messages.
     pub fn name(&self) -> &'static str {
         match self {
@@ -90,10 +114,45 @@ pub trait ReplyHandle: Send {
     fn wait(&self, timeout: Duration) -> Result<LeaseAnswer>;
 }
 
+/// Where a worker gets the service's shared-memory pool.
+pub trait PoolSource {
+    /// The capabilities (pool id and size, format version) and a new
+    /// descriptor of that very pool, to map.
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)>;
+    /// The id of the pool leases come from now, without a round trip when
+    /// possible (the RPC client reconnects if it must, but makes no call).
+    fn pool_id(&self) -> Result<String>;
+}
+
+/// The in-process service: its own pool.
+impl PoolSource for CheckpointService {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        Ok((
+            CheckpointService::capabilities(self),
+            CheckpointService::pool(self).share()?,
+        ))
+    }
+    fn pool_id(&self) -> Result<String> {
+        Ok(CheckpointService::pool(self).id().to_string())
+    }
+}
+
+/// The RPC client: the pool its connection's handshake handed over.
+impl PoolSource for Client {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        Client::share_pool(self)
+    }
+    fn pool_id(&self) -> Result<String> {
+        Client::pool_id(self)
+    }
+}
+
 /// The lease operations a transfer engine needs from the checkpoint service.
 pub trait LeaseApi: Send + Sync {
-    /// Pool name and size, format version (read when mapping the pool).
-    fn capabilities(&self) -> Result<Capabilities>;
+    /// The pool to map: its capabilities and a descriptor (see [`PoolSource`]).
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)>;
+    /// The id of the pool leases come from now (see [`PoolSource::pool_id`]).
+    fn pool_id(&self) -> Result<String>;
     /// Sends one lease operation; the reply arrives through the handle.
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle>;
 }
@@ -123,35 +182,44 @@ fn call_async(api: &(impl CheckpointsAsync + ?Sized), call: LeaseCall) -> Box<dy
         LeaseCall::PrepareStore { manifest, rank } => {
             answer(api.prepare_store_async(&manifest, rank), LeaseAnswer::Lease)
         }
-        LeaseCall::FinishStore { lease_id, success } => answer(
-            api.finish_store_async(&lease_id, success, None),
+        LeaseCall::FinishStore {
+            lease_id,
+            success,
+            rank,
+        } => answer(
+            api.finish_store_async(&lease_id, success, Some(rank)),
             LeaseAnswer::Bool,
         ),
         LeaseCall::BeginRetrieve { manifest, rank } => answer(
             api.begin_retrieve_async(&manifest, rank),
             LeaseAnswer::Lease,
         ),
-        LeaseCall::PollRetrieve { lease_id } => {
-            answer(api.poll_retrieve_async(&lease_id, None), LeaseAnswer::Lease)
-        }
-        LeaseCall::FinishRetrieve { lease_id } => {
-            answer(api.finish_retrieve_async(&lease_id, None), |()| {
+        LeaseCall::PollRetrieve { lease_id, rank } => answer(
+            api.poll_retrieve_async(&lease_id, Some(rank)),
+            LeaseAnswer::Lease,
+        ),
+        LeaseCall::FinishRetrieve { lease_id, rank } => {
+            answer(api.finish_retrieve_async(&lease_id, Some(rank)), |()| {
                 LeaseAnswer::Unit
             })
         }
-        LeaseCall::CancelRetrieve { lease_id } => {
-            answer(api.cancel_retrieve_async(&lease_id, None), |()| {
+        LeaseCall::CancelRetrieve { lease_id, rank } => {
+            answer(api.cancel_retrieve_async(&lease_id, Some(rank)), |()| {
                 LeaseAnswer::Unit
             })
         }
     }
 }
 
-/// Every implementation of the protocol is a [`LeaseApi`]: the RPC client
-/// (the sidecar in another process) and the in-process service alike.
-impl<T: CheckpointsAsync> LeaseApi for T {
-    fn capabilities(&self) -> Result<Capabilities> {
-        Checkpoints::capabilities(self)
+/// Every implementation of the protocol that hands out its pool is a
+/// [`LeaseApi`]: the RPC client (the sidecar in another process) and the
+/// in-process service alike.
+impl<T: CheckpointsAsync + PoolSource> LeaseApi for T {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        PoolSource::share_pool(self)
+    }
+    fn pool_id(&self) -> Result<String> {
+        PoolSource::pool_id(self)
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         call_async(self, call)
@@ -159,8 +227,11 @@ impl<T: CheckpointsAsync> LeaseApi for T {
 }
 
 impl<T: LeaseApi + ?Sized> LeaseApi for Arc<T> {
-    fn capabilities(&self) -> Result<Capabilities> {
-        (**self).capabilities()
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        (**self).share_pool()
+    }
+    fn pool_id(&self) -> Result<String> {
+        (**self).pool_id()
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         (**self).call(call)
