@@ -38,6 +38,8 @@ mod service_races;
 mod service_reclaim;
 mod service_restart;
 mod service_scenarios;
+#[cfg(feature = "shared-tier")]
+mod service_shared;
 mod service_write_once;
 #[cfg(feature = "shared-tier")]
 mod shared_tier;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::http;
 use crate::rpc;
-use crate::service::ServiceConfig;
+use crate::service::{ServiceConfig, SharedSettings};
 use crate::store::shm::default_l1_bytes;
 
 /// What kind of value a setting holds (also how the CLI parses it).
@@ -333,6 +333,17 @@ sidecar_config! {
     /// a frame beyond it closes its connection (at least the 64 MiB frame
     /// limit).
     rpc_max_buffered_bytes: Bytes = rpc::ServerConfig::new("").max_buffered_bytes as u64;
+    /// The shared tier across hosts: `s3://bucket/prefix` (endpoint, region
+    /// and credentials from the standard `AWS_*` environment) or
+    /// `file:///path` (a shared filesystem); default: none.
+    shared_url: Text optional = None;
+    /// How long a lookup waits for the shared tier before answering with
+    /// what this host has.
+    shared_lookup_timeout: Seconds = SharedSettings::new("").lookup_timeout;
+    /// Most generations waiting for their upload to the shared tier; when
+    /// full, the oldest waiting upload is dropped (status
+    /// `shared_uploads_dropped`).
+    shared_upload_queue: Count = SharedSettings::new("").upload_queue as u64;
 }
 
 /// The prefix of the environment variables that set a sidecar's settings.
@@ -404,6 +415,17 @@ impl SidecarConfig {
         if self.http_idle_timeout.is_zero() {
             return Err(Error::invalid("http_idle_timeout must be positive"));
         }
+        if self.shared_upload_queue == 0 {
+            return Err(Error::invalid("shared_upload_queue must be at least 1"));
+        }
+        if let Some(url) = &self.shared_url {
+            let known = ["s3://", "s3a://", "file://"];
+            if !known.iter().any(|p| url.starts_with(p)) {
+                return Err(Error::invalid(format!(
+                    "shared_url must be s3://bucket[/prefix] or file:///path, got {url:?}"
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -436,6 +458,14 @@ impl SidecarConfig {
             retrieve_timeout: self.retrieve_timeout,
             abandoned_after: self.abandoned_after,
             l2_io_threads: usize_of("l2_io_threads", self.l2_io_threads)?,
+            shared: match &self.shared_url {
+                Some(url) => Some(SharedSettings {
+                    lookup_timeout: self.shared_lookup_timeout,
+                    upload_queue: usize_of("shared_upload_queue", self.shared_upload_queue)?,
+                    ..SharedSettings::new(url.clone())
+                }),
+                None => None,
+            },
         })
     }
 

@@ -54,6 +54,9 @@ named_enum! {
         L2ReadError = "l2_read_error",
         /// A retrieve stayed pending longer than `retrieve_timeout`.
         RetrieveTimeout = "retrieve_timeout",
+        /// Fetching a page from the shared tier failed (missing, corrupt,
+        /// or the store failed): the generation is retired here.
+        SharedFetchError = "shared_fetch_error",
         /// Another lease is writing a page this store needs (status `busy`).
         Busy = "busy",
         /// A reason this build does not know (sent by a newer server).

@@ -5,7 +5,8 @@
 //! requests inline; `prepare_store` (which may wait for L1 space up to the
 //! service's admission timeout) runs on a thread of its own so that a
 //! pipelining client's other requests — e.g. the `finish_store` that frees
-//! the space — are never queued behind it. Replies go out under a
+//! the space — are never queued behind it; so does `find` when a shared
+//! tier is configured (it may wait up to the shared lookup timeout). Replies go out under a
 //! per-connection write lock with a write timeout, so a client that stops
 //! reading loses its own connection and never blocks anyone else.
 //!
@@ -986,7 +987,10 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream
 
 /// Runs a request inline, or on a thread of its own when it may wait long.
 fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, request: Request) {
-    let may_wait = matches!(request, Request::PrepareStore { .. });
+    // A find with a shared tier may wait for it (up to its lookup timeout).
+    let may_wait = matches!(request, Request::PrepareStore { .. })
+        || (matches!(request, Request::Find { .. }) && shared.service.has_shared_tier());
+    let name = request.name();
     if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
         let (s, c, h) = (shared.clone(), conn.clone(), holder.clone());
         let job = move || {
@@ -995,7 +999,7 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, r
             s.offloaded.fetch_sub(1, Ordering::SeqCst);
         };
         let spawned = std::thread::Builder::new()
-            .name("lmcache-rc-prepare".into())
+            .name(format!("lmcache-rc-{name}"))
             .spawn(job);
         if let Err(e) = spawned {
             // The closure (and the request) went with the failed spawn.
@@ -1005,7 +1009,7 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, r
                 rid,
                 &Reply::error(
                     ErrorKind::Unavailable,
-                    format!("the server cannot start a thread for prepare_store: {e}"),
+                    format!("the server cannot start a thread for {name}: {e}"),
                 ),
             );
         }

@@ -69,6 +69,8 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
     for (counter, value) in st.counters.events() {
         values.insert(counter.as_str().to_string(), value);
     }
+    #[cfg(feature = "shared-tier")]
+    values.extend(super::shared::status_values(inner));
     let misses = st
         .counters
         .misses()

@@ -75,6 +75,16 @@ named_enum! {
         ReclaimedStoreLeases = "reclaimed_store_leases",
         /// Retrieve leases released because their process was gone.
         ReclaimedRetrieveLeases = "reclaimed_retrieve_leases",
+        /// Generations a `find` found in the shared tier and imported into
+        /// the directory (published here, durable once their pages are local).
+        SharedImports = "shared_imports",
+        /// Generations found in the shared tier that could not be imported
+        /// (the directory refused them: full of pending ones, read-only...).
+        SharedImportsRefused = "shared_imports_refused",
+        /// Pages a restore fetched from the shared tier into L1.
+        SharedFetches = "shared_fetches",
+        /// Shared-tier fetches that failed (their generations are retired).
+        SharedFetchErrors = "shared_fetch_errors",
     }
 }
 

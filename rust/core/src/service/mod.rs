@@ -42,6 +42,8 @@ mod keys;
 mod open;
 mod reclaim;
 mod retrieve;
+#[cfg(feature = "shared-tier")]
+mod shared;
 mod state;
 mod store;
 mod tiers;
@@ -65,7 +67,7 @@ pub use counters::Counter;
 pub use keys::object_keys;
 pub use reclaim::{Holder, Reclaimed, SWEEP_EVERY};
 pub use state::{L1, L2};
-pub use types::ServiceConfig;
+pub use types::{ServiceConfig, SharedSettings};
 
 // The protocol's values, also reachable here (they were born in this module).
 pub use crate::protocol::{
@@ -86,6 +88,9 @@ struct Inner {
     /// Generations start-up found incomplete but could not retire (the
     /// directory was read-only); retired once it is writable.
     deferred_retire: Mutex<Vec<String>>,
+    /// The shared tier across hosts, when configured (`shared`).
+    #[cfg(feature = "shared-tier")]
+    shared: Option<shared::SharedSide>,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.
@@ -169,6 +174,15 @@ impl CheckpointService {
     /// background sweep does every [`SWEEP_EVERY`]).
     pub fn reclaim_gone(&self) -> Reclaimed {
         reclaim::sweep(&self.inner)
+    }
+
+    /// Whether a shared tier is configured (then `find` may wait for it up
+    /// to its lookup timeout).
+    pub fn has_shared_tier(&self) -> bool {
+        #[cfg(feature = "shared-tier")]
+        return self.inner.shared.is_some();
+        #[cfg(not(feature = "shared-tier"))]
+        return false;
     }
 
     /// Test helper: waits until the L2 queue is empty (every listed generation durable).

@@ -82,6 +82,17 @@ impl CheckpointService {
             )?),
             None => None,
         };
+        #[cfg(feature = "shared-tier")]
+        let shared = match &config.shared {
+            Some(settings) => Some(super::shared::SharedSide::open(settings)?),
+            None => None,
+        };
+        #[cfg(not(feature = "shared-tier"))]
+        if config.shared.is_some() {
+            return Err(Error::invalid(
+                "this build has no shared tier (cargo feature shared-tier)",
+            ));
+        }
         let pool = ShmPool::create(config.l1_bytes)?;
         let inner = Arc::new(Inner {
             config,
@@ -92,9 +103,13 @@ impl CheckpointService {
             state: StateLock::new(State::new(alloc, crate::private::random_bytes()?)),
             upkeep: Upkeep::default(),
             deferred_retire: parking_lot::Mutex::new(Vec::new()),
+            #[cfg(feature = "shared-tier")]
+            shared,
         });
         reconcile(&inner, inventory)?;
         Upkeep::start(&inner)?;
+        #[cfg(feature = "shared-tier")]
+        super::shared::start(&inner)?;
         let reaper = super::reclaim::Reaper::start(&inner)?;
         Ok(CheckpointService {
             inner,
@@ -325,7 +340,7 @@ pub(super) fn retire_deferred(inner: &std::sync::Arc<Inner>) {
 }
 
 /// All objects of all ranks of a manifest with their page sizes.
-fn all_rank_keys(manifest: &Manifest) -> Result<Vec<(ObjectKey, u64)>> {
+pub(super) fn all_rank_keys(manifest: &Manifest) -> Result<Vec<(ObjectKey, u64)>> {
     let schema = manifest.payload_schema()?;
     let mut out = Vec::new();
     for rank in 0..manifest.world_size() {

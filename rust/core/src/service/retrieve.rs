@@ -9,7 +9,7 @@ use super::Inner;
 use super::counters::Counter;
 use super::keys::object_keys;
 use super::reclaim::Holder;
-use super::state::{L1, L2, RetrieveLease, State};
+use super::state::{Fetch, L1, L2, RetrieveLease, State};
 use super::store::check_rank;
 use crate::error::{Error, Result};
 use crate::identity::Prefix;
@@ -19,8 +19,13 @@ use crate::store::ObjectKey;
 
 /// The longest listed generation whose prefix is a whole-token prefix of
 /// the query. A candidate only: every rank must still retrieve it.
+/// With a shared tier, a local miss (or a local hit shorter than a query
+/// root) asks it too, within its lookup timeout, and imports what it finds
+/// (`service::shared`).
 pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manifest>> {
     let found = inner.dir.find(roots)?;
+    #[cfg(feature = "shared-tier")]
+    let found = super::shared::find(inner, roots, found);
     let counter = match &found {
         Some(_) => Counter::FindHits,
         None => Counter::FindMisses,
@@ -230,23 +235,28 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
         .collect();
     let generation = lease.generation.clone();
     for (i, key) in pending {
-        let state = st.objects.get(&key).map(|o| (o.l1, o.l2, o.page_bytes));
+        let state = st
+            .objects
+            .get(&key)
+            .map(|o| (o.l1, o.l2, o.page_bytes, o.remote.clone()));
         match state {
-            Some((L1::Ready, _, _)) => {
+            Some((L1::Ready, _, _, _)) => {
                 st.add_reader(&key);
                 st.touch(&key);
                 if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
                     lease.held[i] = true;
                 }
             }
-            Some((L1::Loading | L1::Writing(_), _, _)) => {
+            Some((L1::Loading | L1::Writing(_), _, _, _)) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
                         obj.waiters.push(lease_no);
                     }
                 }
             }
-            Some((L1::Absent, L2::Durable, bytes)) => {
+            // Read through: from L2 when it has the page, else from the
+            // shared tier (verified against its key before it is Ready).
+            Some((L1::Absent, l2, bytes, remote)) if l2 == L2::Durable || remote.is_some() => {
                 let mut slot = st.alloc.alloc(bytes);
                 if slot.is_none() {
                     let reserved = st.alloc.reserved_for(bytes).unwrap_or(u64::MAX);
@@ -262,8 +272,21 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
                             obj.waiters.push(lease_no);
                         }
                         st.start_io(&key);
-                        st.count(Counter::L2Loads, 1);
-                        st.loads.push((key, slot.offset, bytes));
+                        match remote.filter(|_| l2 != L2::Durable) {
+                            None => {
+                                st.count(Counter::L2Loads, 1);
+                                st.loads.push((key, slot.offset, bytes));
+                            }
+                            Some(namespace) => {
+                                st.count(Counter::SharedFetches, 1);
+                                st.fetches.push(Fetch {
+                                    key,
+                                    offset: slot.offset,
+                                    len: bytes,
+                                    namespace,
+                                });
+                            }
+                        }
                     }
                     None => {
                         // Wait for space; the poll deadline bounds the wait.

@@ -72,6 +72,11 @@ pub struct Obj {
     pub gens: Vec<Arc<str>>,
     /// Retrieve leases waiting for its load.
     pub waiters: Vec<u64>,
+    /// The namespace of its verified copy in the shared tier, when it has
+    /// one (imported from there, or uploaded by this host): an L1 copy of
+    /// such an object may be dropped without retiring its generations, and
+    /// a restore fetches it back (`service::shared`).
+    pub remote: Option<Arc<str>>,
 }
 
 impl Obj {
@@ -89,6 +94,18 @@ impl Obj {
             tick: 0,
             gens: Vec::new(),
             waiters: Vec::new(),
+            remote: None,
+        }
+    }
+
+    /// An object known only from the shared tier (an imported generation
+    /// names it; a restore fetches it into L1).
+    #[cfg_attr(not(feature = "shared-tier"), allow(dead_code))]
+    pub fn remote(page_bytes: u64, namespace: Arc<str>) -> Obj {
+        Obj {
+            l2: L2::Absent,
+            remote: Some(namespace),
+            ..Obj::on_disk(page_bytes)
         }
     }
 
@@ -221,6 +238,20 @@ pub struct ListedGen {
     pub not_durable: usize,
 }
 
+/// A page to fetch from the shared tier into its `Loading` slot.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "shared-tier"), allow(dead_code))]
+pub struct Fetch {
+    /// The object.
+    pub key: ObjectKey,
+    /// Its slot's offset in the pool.
+    pub offset: u64,
+    /// Its length.
+    pub len: u64,
+    /// The namespace its shared copy lives under.
+    pub namespace: Arc<str>,
+}
+
 /// Everything under the service mutex.
 #[derive(Debug)]
 pub struct State {
@@ -262,6 +293,11 @@ pub struct State {
     pub to_retire: Vec<Arc<str>>,
     /// L2 loads to start (key, slot offset, length), drained by the caller.
     pub loads: Vec<(ObjectKey, u64, u64)>,
+    /// Shared-tier fetches to start, drained by the caller.
+    pub fetches: Vec<Fetch>,
+    /// Generations to upload to the shared tier, drained by the caller
+    /// (published ones when there is no L2; with L2 the durable ones go).
+    pub to_upload: Vec<Arc<str>>,
 }
 
 impl State {
@@ -289,6 +325,8 @@ impl State {
             newly_durable: Vec::new(),
             to_retire: Vec::new(),
             loads: Vec::new(),
+            fetches: Vec::new(),
+            to_upload: Vec::new(),
         }
     }
 
@@ -309,7 +347,9 @@ impl State {
             && self.l2_deletes.is_empty()
             && self.newly_durable.is_empty()
             && self.to_retire.is_empty()
-            && self.loads.is_empty())
+            && self.loads.is_empty()
+            && self.fetches.is_empty()
+            && self.to_upload.is_empty())
     }
 
     /// What tells a waiting store that space may have come free: the
@@ -601,7 +641,25 @@ impl State {
     fn evictable(obj: &Obj, retire_ok: bool) -> bool {
         obj.l1_idle()
             && obj.waiters.is_empty()
-            && (obj.refs == 0 || obj.l2 == L2::Durable || (retire_ok && obj.l2 == L2::Absent))
+            && (obj.refs == 0
+                || obj.l2 == L2::Durable
+                || obj.remote.is_some()
+                || (retire_ok && obj.l2 == L2::Absent))
+    }
+
+    /// Records an object an imported generation names: a new one is known
+    /// only from the shared tier; one already here learns it has a shared
+    /// copy too. Pinned once until the import lists (or drops) it.
+    #[cfg_attr(not(feature = "shared-tier"), allow(dead_code))]
+    pub fn insert_remote(&mut self, key: ObjectKey, page_bytes: u64, namespace: &Arc<str>) {
+        let obj = self
+            .objects
+            .entry(key)
+            .or_insert_with(|| Obj::remote(page_bytes, namespace.clone()));
+        if obj.remote.is_none() {
+            obj.remote = Some(namespace.clone());
+        }
+        obj.pins += 1;
     }
 
     /// Bytes of the pool [`State::evict_for`] could free at most.
@@ -637,7 +695,7 @@ impl State {
             if obj.refs == 0 {
                 self.maybe_reclaim(&key);
                 self.count(Counter::L1Evictions, 1);
-            } else if obj.l2 == L2::Durable {
+            } else if obj.l2 == L2::Durable || obj.remote.is_some() {
                 self.drop_l1(&key);
                 self.count(Counter::L1Evictions, 1);
             } else if retire_ok && obj.l2 == L2::Absent {

@@ -374,6 +374,11 @@ pub(super) fn finish_store(
     if publication.published {
         if let Some(pg) = st.remove_pending(&lease.generation) {
             st.list_generation(&lease.generation, pg.pinned.clone());
+            if inner.l2.is_none() {
+                // Without L2 a generation goes to the shared tier (if
+                // any) once published; with L2, once durable.
+                st.to_upload.push(Arc::from(lease.generation.as_str()));
+            }
             for key in &pg.pinned {
                 st.unpin(key);
             }

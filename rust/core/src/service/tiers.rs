@@ -112,7 +112,7 @@ pub(super) fn flush(inner: &Arc<Inner>) {
 /// objects (see [`State::evict_l2`]) and a second round writes what now fits.
 fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     let mut evicted = false;
-    let (writes, deletes, durable, retire, loads) = {
+    let (writes, deletes, durable, retire, loads, fetches, uploads) = {
         let mut st = inner.state.state.lock();
         let mut writes = Vec::new();
         let mut waiting = Vec::new();
@@ -166,6 +166,8 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
             std::mem::take(&mut st.newly_durable),
             std::mem::take(&mut st.to_retire),
             std::mem::take(&mut st.loads),
+            std::mem::take(&mut st.fetches),
+            std::mem::take(&mut st.to_upload),
         )
     };
     if !retire.is_empty() {
@@ -198,6 +200,20 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     for (key, offset, len) in loads {
         submit_load(inner, key, offset, len);
     }
+    // With L2, a generation goes to the shared tier once durable; without,
+    // once published (`to_upload`).
+    #[cfg(feature = "shared-tier")]
+    {
+        if let Some(side) = &inner.shared {
+            let durable_ones = inner.l2.is_some().then_some(durable).unwrap_or_default();
+            side.enqueue(uploads.into_iter().chain(durable_ones));
+        }
+        if !fetches.is_empty() {
+            super::shared::submit_fetches(inner, fetches);
+        }
+    }
+    #[cfg(not(feature = "shared-tier"))]
+    let _ = (fetches, uploads);
     for (key, offset, len) in writes {
         submit_write(inner, key, offset, len, 0);
     }
@@ -273,21 +289,7 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
             .unwrap_or_default();
         match result {
             Ok(()) => {
-                st.set_ready(&key);
-                for w in waiters {
-                    let pos = st.retrieve_leases.get(&w).and_then(|l| {
-                        l.keys
-                            .iter()
-                            .enumerate()
-                            .position(|(i, k)| *k == key && !l.held[i])
-                    });
-                    if let Some(pos) = pos {
-                        st.add_reader(&key);
-                        if let Some(lease) = st.retrieve_leases.get_mut(&w) {
-                            lease.held[pos] = true;
-                        }
-                    }
-                }
+                hand_to_waiters(&mut st, &key, &waiters);
                 // Its generations may have been retired (or its readers
                 // cancelled) while it loaded: then nothing references it.
                 st.maybe_reclaim(&key);
@@ -321,6 +323,26 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
             }
         }
     });
+}
+
+/// Makes a loaded (or fetched) object Ready and hands a reader to every
+/// retrieve lease that waited for it.
+pub(super) fn hand_to_waiters(st: &mut State, key: &ObjectKey, waiters: &[u64]) {
+    st.set_ready(key);
+    for w in waiters {
+        let pos = st.retrieve_leases.get(w).and_then(|l| {
+            l.keys
+                .iter()
+                .enumerate()
+                .position(|(i, k)| k == key && !l.held[i])
+        });
+        if let Some(pos) = pos {
+            st.add_reader(key);
+            if let Some(lease) = st.retrieve_leases.get_mut(w) {
+                lease.held[pos] = true;
+            }
+        }
+    }
 }
 
 /// Writes a `Ready` object's bytes to its durable L2 file (`attempt` 0 for
@@ -460,6 +482,11 @@ impl Inner {
     /// they queued. Runs on the thread that owns the service, so that no
     /// I/O thread ever drops the last reference (it would join itself).
     pub(super) fn drain_io(self: &Arc<Self>) {
+        // The shared tier first: its uploads read pages this drain releases.
+        #[cfg(feature = "shared-tier")]
+        if let Some(side) = &self.shared {
+            side.stop();
+        }
         // Retries first: one last attempt each, on the pool (still running).
         let waiting = self.upkeep.stop();
         if !waiting.is_empty() {

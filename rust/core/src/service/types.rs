@@ -32,6 +32,42 @@ pub struct ServiceConfig {
     pub abandoned_after: Option<Duration>,
     /// L2 I/O threads.
     pub l2_io_threads: usize,
+    /// The shared tier across hosts; `None` = none (see
+    /// `docs/design/shared-tier.md`).
+    pub shared: Option<SharedSettings>,
+}
+
+/// The service's use of a shared tier (an object store or a shared
+/// filesystem that several hosts' sidecars read and write).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedSettings {
+    /// `s3://bucket[/prefix]` (credentials and endpoint from the standard
+    /// `AWS_*` environment) or `file:///path`.
+    pub url: String,
+    /// `object_store` S3 settings applied over the environment (e.g.
+    /// `("aws_endpoint", "http://...")`); the sidecar passes none.
+    pub options: Vec<(String, String)>,
+    /// How long a `find` waits for the shared tier's answer before it
+    /// answers with what the host has.
+    pub lookup_timeout: Duration,
+    /// Most generations waiting for their upload; when full, the oldest
+    /// waiting one is dropped (and counted).
+    pub upload_queue: usize,
+    /// Threads fetching pages from the shared tier into L1 for restores.
+    pub fetch_threads: usize,
+}
+
+impl SharedSettings {
+    /// Defaults for `url`.
+    pub fn new(url: impl Into<String>) -> SharedSettings {
+        SharedSettings {
+            url: url.into(),
+            options: Vec::new(),
+            lookup_timeout: Duration::from_millis(200),
+            upload_queue: 1024,
+            fetch_threads: 4,
+        }
+    }
 }
 
 impl Default for ServiceConfig {
@@ -49,6 +85,7 @@ impl Default for ServiceConfig {
             retrieve_timeout: Duration::from_secs(30),
             abandoned_after: Some(Duration::from_secs(600)),
             l2_io_threads: 2,
+            shared: None,
         }
     }
 }

@@ -225,6 +225,9 @@ pub struct SharedTier {
     inner: Arc<Inner>,
     runtime: Option<tokio::runtime::Runtime>,
     pid: u32,
+    /// Set by [`SharedTier::close`]: every blocking call in progress or to
+    /// come answers [`Error::Closed`] at once.
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 struct Inner {
@@ -284,6 +287,7 @@ impl SharedTier {
             inner: Arc::new(inner),
             runtime: Some(runtime),
             pid: std::process::id(),
+            closed: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -319,7 +323,25 @@ impl SharedTier {
             .runtime
             .as_ref()
             .ok_or(Error::Closed("the shared tier"))?;
-        Ok(runtime.block_on(fut))
+        let mut closed = self.closed.subscribe();
+        if *closed.borrow_and_update() {
+            return Err(Error::Closed("the shared tier"));
+        }
+        runtime.block_on(async move {
+            tokio::select! {
+                out = fut => Ok(out),
+                _ = closed.wait_for(|c| *c) => Err(Error::Closed("the shared tier")),
+            }
+        })
+    }
+
+    /// Closes the tier: every blocking call in progress (an upload waiting
+    /// on the store, a fetch, a lookup) and every later one answers
+    /// [`Error::Closed`] at once; requests in flight are abandoned. What an
+    /// abandoned upload wrote stays invisible (no manifest) and is reused
+    /// by the next upload of the same pages.
+    pub fn close(&self) {
+        self.closed.send_replace(true);
     }
 
     /// Uploads a published generation: every page the manifest names (all

@@ -1,0 +1,316 @@
+//! The shared tier inside the service (`docs/design/shared-tier.md` §10):
+//! two services on separate L1/L2/directories and one bucket of a real
+//! s3s-fs server play two hosts. Host A's durable generations are uploaded
+//! behind its back; host B's `find` imports them and its restores fetch the
+//! pages, verified, into L1. The object store is never mocked: corruption
+//! and deletion are done on the server's backing files.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use lmcache_rc_core::Manifest;
+use lmcache_rc_core::TokenRoots;
+use lmcache_rc_core::protocol::Checkpoints;
+use lmcache_rc_core::service::{CheckpointService, ServiceConfig, SharedSettings};
+
+use crate::s3_server::{ACCESS_KEY, S3Server, SECRET_KEY};
+use crate::service_common::*;
+
+both_ways!(a_generation_stored_on_one_host_restores_byte_exact_on_another);
+
+const NS_OTHER: &str = "recurrent-sha256-v1:service-suite-other";
+
+/// The settings of a host on `bucket` of `server`.
+fn shared_settings(server: &S3Server, bucket: &str) -> SharedSettings {
+    SharedSettings {
+        options: vec![
+            ("aws_endpoint".into(), server_endpoint(server)),
+            ("aws_access_key_id".into(), ACCESS_KEY.into()),
+            ("aws_secret_access_key".into(), SECRET_KEY.into()),
+            ("aws_region".into(), "us-east-1".into()),
+            ("aws_allow_http".into(), "true".into()),
+        ],
+        ..SharedSettings::new(format!("s3://{bucket}/h"))
+    }
+}
+
+fn server_endpoint(server: &S3Server) -> String {
+    format!("http://127.0.0.1:{}", server.port())
+}
+
+/// A host: durable directory and L2 under `dir`, the shared tier on `bucket`.
+fn host(dir: &Path, server: &S3Server, bucket: &str) -> ServiceConfig {
+    ServiceConfig {
+        shared: Some(shared_settings(server, bucket)),
+        ..durable_config("shared-host", dir)
+    }
+}
+
+/// A turn of a conversation: the first `n` tokens of sequence `base`.
+fn turn(ns: &str, base: u32, n: u32) -> Manifest {
+    standard(ns, &seq(base, n), "prompt", 2)
+}
+
+/// The chunk roots of a query (what the connector's `find` sends).
+fn query(ns: &str, base: u32, n: u32) -> Vec<lmcache_rc_core::Prefix> {
+    TokenRoots::build(ns, seq(base, n), 4096).unwrap().roots()
+}
+
+/// Waits until the host's upload queue is empty and `n` uploads ended
+/// (written or found present), or the hang guard passes.
+fn wait_uploads(svc: &impl AsTarget, n: u64) {
+    let deadline = Instant::now() + HANG_GUARD;
+    loop {
+        let done = stat(svc, "shared_manifests_written") + stat(svc, "shared_manifests_present");
+        if done >= n && stat(svc, "shared_upload_queue") == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "uploads did not finish: {:?}",
+            svc.target().status().unwrap().values
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn a_generation_stored_on_one_host_restores_byte_exact_on_another<T: Target>() {
+    let server = S3Server::shared();
+    let bucket = server.bucket("two-hosts");
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = T::open(host(dir_a.path(), server, &bucket)).unwrap();
+    let b = T::open(host(dir_b.path(), server, &bucket)).unwrap();
+    // A multi-turn conversation on A: turn 2 extends turn 1 (shared pages).
+    let (t1, t2) = (turn(NS, 100, 48), turn(NS, 100, 96));
+    store_all(&a, &t1);
+    store_all(&a, &t2);
+    settle(&a);
+    wait_uploads(&a, 2);
+    let pages_a = stat(&a, "shared_pages_uploaded");
+    assert_eq!(
+        pages_a,
+        all_keys(&t1).union(&all_keys(&t2)).count() as u64,
+        "each page is uploaded once, shared pages once for both turns"
+    );
+    assert!(
+        stat(&a, "shared_dedup_hits") > 0,
+        "turn 2 reused turn 1's pages"
+    );
+
+    // B has nothing; its find for turn 3's prompt imports turn 2 from A.
+    assert_eq!(stat(&b, "generations"), 0);
+    let found = b.find(&query(NS, 100, 120)).unwrap();
+    assert_eq!(found.as_ref(), Some(&t2), "B finds A's longest prefix");
+    assert_eq!(stat(&b, "shared_imports"), 1);
+    restore_all(&b, &t2);
+    assert_eq!(
+        stat(&b, "shared_fetches"),
+        all_keys(&t2).len() as u64,
+        "every page came from the shared tier once"
+    );
+    // Once its pages are in B's L2, the imported generation is durable there,
+    // and B uploads nothing: the manifest is found present.
+    settle(&b);
+    wait_uploads(&b, 1);
+    let rows = b.list_generations().unwrap();
+    assert_eq!(rows.len(), 1);
+    assert!(rows[0].durable, "imported and fetched: durable on B");
+    assert_eq!(stat(&b, "shared_pages_uploaded"), 0);
+    assert_eq!(stat(&b, "shared_manifests_written"), 0);
+    // A second restore is local (L1/L2), no fetch.
+    restore_all(&b, &t2);
+    assert_eq!(stat(&b, "shared_fetches"), all_keys(&t2).len() as u64);
+
+    // B continues the conversation: only its new pages are uploaded.
+    let t3 = turn(NS, 100, 120);
+    store_all(&b, &t3);
+    settle(&b);
+    wait_uploads(&b, 2);
+    let new_pages = all_keys(&t3).difference(&all_keys(&t2)).count() as u64;
+    assert_eq!(stat(&b, "shared_pages_uploaded"), new_pages);
+    assert_idle(&a);
+    assert_idle(&b);
+}
+
+#[test]
+fn a_restarted_host_uploads_what_it_had_not_uploaded() {
+    let mut server = S3Server::start();
+    let bucket = server.bucket("restart");
+    let dir_a = tempfile::tempdir().unwrap();
+    let t1 = turn(NS, 200, 48);
+    server.stop();
+    {
+        // The store is down: A stores, its upload fails and waits for a retry.
+        let a = CheckpointService::open(host(dir_a.path(), &server, &bucket)).unwrap();
+        store_all(&a, &t1);
+        settle(&a);
+        assert_eq!(stat(&a, "shared_manifests_written"), 0);
+        a.close().unwrap();
+    }
+    server.restart();
+    let a = CheckpointService::open(host(dir_a.path(), &server, &bucket)).unwrap();
+    wait_uploads(&a, 1);
+    assert_eq!(stat(&a, "shared_manifests_written"), 1);
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = CheckpointService::open(host(dir_b.path(), &server, &bucket)).unwrap();
+    assert_eq!(b.find(&query(NS, 200, 60)).unwrap().as_ref(), Some(&t1));
+    restore_all(&b, &t1);
+}
+
+#[test]
+fn a_corrupt_or_deleted_remote_page_is_a_clean_miss_that_retires_the_import() {
+    let server = S3Server::shared();
+    let bucket = server.bucket("bad-page");
+    let dir_a = tempfile::tempdir().unwrap();
+    let a = CheckpointService::open(host(dir_a.path(), server, &bucket)).unwrap();
+    let (good, corrupt, deleted) = (turn(NS, 300, 48), turn(NS, 400, 48), turn(NS, 500, 48));
+    for m in [&good, &corrupt, &deleted] {
+        store_all(&a, m);
+    }
+    settle(&a);
+    wait_uploads(&a, 3);
+    // Damage one page of each bad generation on the server.
+    let page_file = |m: &Manifest| {
+        let key = rank_keys(m, 1)[1][0];
+        let hex = key.hex();
+        let found: Vec<_> = server
+            .objects(&bucket, "h/")
+            .into_iter()
+            .filter(|p| p.to_string_lossy().ends_with(&format!("{hex}.page")))
+            .collect();
+        assert_eq!(found.len(), 1, "{hex}");
+        found[0].clone()
+    };
+    let f = page_file(&corrupt);
+    let mut bytes = std::fs::read(&f).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&f, bytes).unwrap();
+    std::fs::remove_file(page_file(&deleted)).unwrap();
+
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = CheckpointService::open(host(dir_b.path(), server, &bucket)).unwrap();
+    for bad in [&corrupt, &deleted] {
+        let base = if bad == &corrupt { 400 } else { 500 };
+        assert_eq!(b.find(&query(NS, base, 60)).unwrap().as_ref(), Some(bad));
+        // Rank 0 does not need the damaged page; rank 1 does.
+        restore(&b, bad, 0).unwrap();
+        assert_eq!(restore(&b, bad, 1).unwrap_err(), "shared_fetch_error");
+        assert!(
+            !b.list_generations()
+                .unwrap()
+                .iter()
+                .any(|g| g.generation == bad.generation()),
+            "the import is retired once a page proved bad"
+        );
+        assert_eq!(
+            b.find(&query(NS, base, 60)).unwrap(),
+            None,
+            "and not imported again"
+        );
+    }
+    assert_eq!(stat(&b, "shared_fetch_errors"), 2);
+    assert_eq!(stat(&b, "shared_fetch_corrupt"), 1);
+    assert_eq!(stat(&b, "shared_fetch_missing"), 1);
+    // The good one is unaffected.
+    assert_eq!(b.find(&query(NS, 300, 60)).unwrap().as_ref(), Some(&good));
+    restore_all(&b, &good);
+    settle(&b);
+    assert_idle(&b);
+}
+
+#[test]
+fn a_corrupt_remote_manifest_is_not_imported() {
+    let server = S3Server::shared();
+    let bucket = server.bucket("bad-manifest");
+    let dir_a = tempfile::tempdir().unwrap();
+    let a = CheckpointService::open(host(dir_a.path(), server, &bucket)).unwrap();
+    let m = turn(NS, 600, 48);
+    store_all(&a, &m);
+    settle(&a);
+    wait_uploads(&a, 1);
+    let manifests: Vec<_> = server
+        .objects(&bucket, "h/")
+        .into_iter()
+        .filter(|p| p.to_string_lossy().ends_with(".manifest"))
+        .collect();
+    assert_eq!(manifests.len(), 1);
+    let mut bytes = std::fs::read(&manifests[0]).unwrap();
+    let n = bytes.len();
+    bytes[n - 2] ^= 0x20;
+    std::fs::write(&manifests[0], bytes).unwrap();
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = CheckpointService::open(host(dir_b.path(), server, &bucket)).unwrap();
+    assert_eq!(b.find(&query(NS, 600, 60)).unwrap(), None);
+    assert_eq!(stat(&b, "shared_imports"), 0);
+    assert_eq!(stat(&b, "shared_misses_corrupt"), 1);
+    assert_eq!(stat(&b, "generations"), 0);
+}
+
+#[test]
+fn with_the_store_down_a_host_serves_its_own_data_and_finds_answer() {
+    let server = S3Server::start();
+    let bucket = server.bucket("down");
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = CheckpointService::open(host(dir_b.path(), &server, &bucket)).unwrap();
+    let local = turn(NS, 700, 48);
+    store_all(&b, &local);
+    settle(&b);
+    wait_uploads(&b, 1);
+    server.stop();
+    // A longer query than the local hit asks the dead store: it answers the
+    // local hit, and the lookup counts as a miss by error or timeout.
+    let found = b.find(&query(NS, 700, 60)).unwrap();
+    assert_eq!(found.as_ref(), Some(&local));
+    restore_all(&b, &local);
+    // Nothing local: a clean miss.
+    assert_eq!(b.find(&query(NS, 800, 60)).unwrap(), None);
+    let failed = stat(&b, "shared_misses_error") + stat(&b, "shared_misses_timeout");
+    assert_eq!(failed, 2, "{:?}", b.status().unwrap().values);
+    // New stores are served and their uploads wait for the store.
+    let later = turn(NS, 900, 48);
+    store_all(&b, &later);
+    restore_all(&b, &later);
+}
+
+#[test]
+fn namespaces_are_isolated_across_hosts() {
+    let server = S3Server::shared();
+    let bucket = server.bucket("isolation");
+    let dir_a = tempfile::tempdir().unwrap();
+    let a = CheckpointService::open(host(dir_a.path(), server, &bucket)).unwrap();
+    let m = turn(NS, 1000, 48);
+    store_all(&a, &m);
+    settle(&a);
+    wait_uploads(&a, 1);
+    let dir_b = tempfile::tempdir().unwrap();
+    let b = CheckpointService::open(host(dir_b.path(), server, &bucket)).unwrap();
+    assert_eq!(
+        b.find(&query(NS_OTHER, 1000, 60)).unwrap(),
+        None,
+        "the same tokens in another namespace find nothing"
+    );
+    assert_eq!(stat(&b, "shared_imports"), 0);
+    assert_eq!(b.find(&query(NS, 1000, 60)).unwrap().as_ref(), Some(&m));
+}
+
+#[test]
+fn a_full_upload_queue_drops_the_oldest_upload() {
+    let server = S3Server::start();
+    let bucket = server.bucket("queue");
+    server.stop();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = host(dir.path(), &server, &bucket);
+    if let Some(shared) = config.shared.as_mut() {
+        shared.upload_queue = 1;
+    }
+    let a = CheckpointService::open(config).unwrap();
+    for base in [1100, 1200, 1300, 1400] {
+        store_all(&a, &turn(NS, base, 48));
+        settle(&a);
+    }
+    // At most one upload runs and one waits: of four, two were dropped.
+    assert!(stat(&a, "shared_uploads_dropped") >= 2);
+    assert!(stat(&a, "shared_upload_queue") <= 2);
+    assert_eq!(stat(&a, "shared_uploads_queued"), 4);
+}
