@@ -64,6 +64,8 @@ def _error_table() -> list[tuple[str, str, list[str], str]]: ...
 def _log_for_test(level: str, message: str) -> None: ...
 def default_socket_path() -> str: ...
 def default_l1_bytes() -> int: ...
+def shared_gc(url: str, older_than: float) -> dict[str, object]: ...
+def shared_min_gc_age() -> float: ...
 
 _Path: TypeAlias = str | os.PathLike[str]
 
@@ -93,6 +95,9 @@ class ServerConfig:
     max_connections: int
     rpc_frame_timeout: float
     rpc_max_buffered_bytes: int
+    shared_url: str | None
+    shared_lookup_timeout: float
+    shared_upload_queue: int
     def __new__(
         cls,
         *,
@@ -118,6 +123,9 @@ class ServerConfig:
         max_connections: int = ...,
         rpc_frame_timeout: float = ...,
         rpc_max_buffered_bytes: int = ...,
+        shared_url: str | None = ...,
+        shared_lookup_timeout: float = ...,
+        shared_upload_queue: int = ...,
     ) -> ServerConfig: ...
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig: ...

@@ -19,6 +19,9 @@ Sub-commands:
   byte (see :mod:`lmcache_rc.demo`).
 - ``bench``: the transfer engine's store/restore throughput against memcpy
   (see :mod:`lmcache_rc.bench`).
+- ``shared gc --shared-url URL --older-than DURATION [--json]``: remove old
+  manifests from the shared tier, then the pages no remaining manifest names
+  (see :mod:`lmcache_rc.shared`).
 
 Exit codes: 0 success, 1 operation failed, 2 bad input, 3 sidecar unreachable,
 4 refused (e.g. a forced clear while leases are live).
@@ -154,6 +157,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"  shm pool    memfd {caps['pool_id']} ({caps['pool_size']} bytes)", flush=True)
     print(f"  directory   {config.checkpoint_index_path or 'in memory (not durable)'}", flush=True)
     print(f"  l2          {config.l2_path or 'none'}", flush=True)
+    print(f"  shared      {config.shared_url or 'none'}", flush=True)
     if server.http_url:
         print(f"  http admin  {server.http_url}", flush=True)
     print("ready", flush=True)
@@ -253,6 +257,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.mib, args.page_kib, args.rounds, args.json)
 
 
+def _cmd_shared_gc(args: argparse.Namespace) -> int:
+    from lmcache_rc import shared
+
+    url = args.shared_url or ServerConfig.from_env().shared_url
+    if not url:
+        raise ValueError("--shared-url (or LMCACHE_RC_SHARED_URL) is required")
+    older_than = shared.parse_duration(args.older_than)
+    print(f"shared gc: {url}, older than {older_than:g} s...", file=sys.stderr)
+    report = shared.gc(url, older_than)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return 0
+    for key, value in sorted(report.items()):
+        if key != "skipped":
+            print(f"{key}: {value}")
+    for namespace, why in report["skipped"]:
+        print(f"skipped {namespace}: {why}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``lmcache-rc`` (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -335,6 +359,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.set_defaults(func=_cmd_bench)
+
+    shared = sub.add_parser("shared", help="maintain the shared tier (an object store)")
+    shared_sub = shared.add_subparsers(dest="shared_command", required=True)
+    gc = shared_sub.add_parser(
+        "gc",
+        help="remove old manifests, then the pages no remaining manifest names",
+    )
+    gc.add_argument(
+        "--shared-url",
+        help="s3://bucket/prefix or file:///path (default: LMCACHE_RC_SHARED_URL); "
+        "credentials from the AWS_* environment",
+    )
+    gc.add_argument(
+        "--older-than",
+        required=True,
+        metavar="DURATION",
+        help="age of what is removed: 36h, 7d, 90m or seconds; at least the tier's "
+        "safety margin (about 75 minutes)",
+    )
+    gc.add_argument("--json", action="store_true", help="print one JSON object")
+    gc.set_defaults(func=_cmd_shared_gc)
     return parser
 
 

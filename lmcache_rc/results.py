@@ -96,6 +96,46 @@ class ServiceStatus(TypedDict):
     clears: int
     reclaimed_store_leases: int
     reclaimed_retrieve_leases: int
+    shared_imports: int
+    """Generations a ``find`` found in the shared tier and published here."""
+    shared_imports_refused: int
+    shared_fetches: int
+    """Pages restores fetched from the shared tier into L1."""
+    shared_fetch_errors: int
+    """Shared-tier fetches that failed (their generations were retired here)."""
+    shared_enabled: int
+    """1 when a shared tier is configured (``shared_url``), else 0 (and every
+    ``shared_*`` value is 0)."""
+    shared_upload_queue: int
+    """Generations waiting for their upload, plus the one uploading."""
+    shared_uploads_queued: int
+    shared_uploads_dropped: int
+    """Waiting uploads dropped because the queue was full (``shared_upload_queue``)."""
+    shared_upload_retries: int
+    shared_uploads_given_up: int
+    shared_uploads_skipped: int
+    """Uploads not made: the generation was retired or its pages left this host first."""
+    shared_uploads: int
+    shared_manifests_written: int
+    shared_manifests_present: int
+    shared_upload_failures: int
+    shared_pages_uploaded: int
+    shared_bytes_uploaded: int
+    shared_dedup_hits: int
+    shared_pages_refreshed: int
+    shared_lookups: int
+    shared_lookup_hits: int
+    shared_misses_none: int
+    shared_misses_corrupt: int
+    shared_misses_timeout: int
+    shared_misses_error: int
+    shared_manifests_rejected: int
+    shared_pages_fetched: int
+    shared_bytes_fetched: int
+    shared_fetch_corrupt: int
+    shared_fetch_missing: int
+    shared_errors: int
+    shared_requests: int
     misses: dict[str, int]
 
 
@@ -112,6 +152,21 @@ class RpcStatus(ServiceStatus):
     """Bytes of unfinished request frames buffered now (bounded by ``rpc_max_buffered_bytes``)."""
     rpc_frames_timed_out: int
     rpc_frames_over_budget: int
+
+
+class SharedGcReport(TypedDict):
+    """What ``lmcache-rc shared gc`` did (:func:`lmcache_rc.shared.gc`)."""
+
+    namespaces: int
+    manifests_deleted: int
+    manifests_kept: int
+    pages_deleted: int
+    pages_referenced: int
+    """Pages kept because a remaining manifest names them."""
+    pages_young: int
+    """Unreferenced pages kept because they are younger than the age."""
+    skipped: list[tuple[str, str]]
+    """Namespaces whose pages were not swept, and why (run gc again)."""
 
 
 class ClearReport(TypedDict):

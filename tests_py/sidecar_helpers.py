@@ -19,11 +19,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def start_sidecar(
-    tmp_path: Path, *extra: str, name: str = "side"
+    tmp_path: Path, *extra: str, name: str = "side", env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], list[str]]:
     """Runs ``lmcache-rc serve`` on durable paths under tmp_path (socket
     ``tmp_path/<name>.sock``, HTTP on a free loopback port, ``extra`` flags
-    appended) until it prints "ready"; returns the process and its lines."""
+    appended, ``env`` as its environment when given) until it prints
+    "ready"; returns the process and its lines."""
     socket = str(tmp_path / f"{name}.sock")
     proc = subprocess.Popen(
         [
@@ -46,6 +47,7 @@ def start_sidecar(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
     )
     lines: list[str] = []
     assert proc.stdout is not None

@@ -13,6 +13,7 @@ mod payload;
 mod protocol;
 mod rpc;
 mod service;
+mod shared;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -33,6 +34,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(config::default_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(config::default_l1_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(shared::shared_gc, m)?)?;
+    m.add_function(wrap_pyfunction!(shared::shared_min_gc_age, m)?)?;
     m.add_class::<config::PyServerConfig>()?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;
