@@ -48,6 +48,8 @@ __all__ = [
     "checkpoint_namespace",
     "default_l1_bytes",
     "default_socket_path",
+    "shared_gc",
+    "shared_min_gc_age",
 ]
 
 _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]

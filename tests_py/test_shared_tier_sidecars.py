@@ -198,10 +198,8 @@ def test_corrupt_or_deleted_remote_objects_are_clean_misses_on_host_b(
         pages, manifests = set(objects(s3, ".page")), set(objects(s3, ".manifest"))
         _store(a, m)
         wait_uploads(a, i + 1)
-        owned.append(
-            (set(objects(s3, ".page")) - pages, set(objects(s3, ".manifest")) - manifests)
-        )
-    (good, good_roots), (corrupt, c_roots), (deleted, d_roots), (bad_manifest, m_roots) = made
+        owned.append((set(objects(s3, ".page")) - pages, set(objects(s3, ".manifest")) - manifests))
+    (good, good_roots), (corrupt, c_roots), (deleted, d_roots), (_bad_manifest, m_roots) = made
     for path in owned[1][0]:  # every page of one generation: flip its last byte
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
@@ -247,7 +245,7 @@ def test_with_the_bucket_down_host_b_serves_local_data_and_finds_answer(
     failed = int(str(s["shared_misses_error"])) + int(str(s["shared_misses_timeout"]))
     assert failed == 2
     # Stores go on; their uploads wait for the bucket and resume with it.
-    later, later_roots = make_manifest(list(range(7000, 7064)))
+    later, _ = make_manifest(list(range(7000, 7064)))
     _store(b, later)
     assert _restores(b, later)
     wait_for("a failed upload", lambda: b.value("shared_upload_failures") >= 1)

@@ -205,7 +205,11 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     #[cfg(feature = "shared-tier")]
     {
         if let Some(side) = &inner.shared {
-            let durable_ones = inner.l2.is_some().then_some(durable).unwrap_or_default();
+            let durable_ones = if inner.l2.is_some() {
+                durable
+            } else {
+                Vec::new()
+            };
             side.enqueue(uploads.into_iter().chain(durable_ones));
         }
         if !fetches.is_empty() {
