@@ -74,6 +74,7 @@ fn request() -> impl Strategy<Value = Request> {
         (any::<bool>(), any::<bool>())
             .prop_map(|(force, all_tiers)| Request::Clear { force, all_tiers }),
         Just(Request::ListGenerations),
+        "\\PC{0,40}".prop_map(|namespace| Request::InvalidateNamespace { namespace }),
     ]
 }
 
@@ -161,6 +162,7 @@ fn value() -> impl Strategy<Value = Value> {
             0..4,
         )
         .prop_map(Value::Generations),
+        any::<u64>().prop_map(Value::Count),
     ]
 }
 
@@ -335,6 +337,12 @@ fn request_type_numbers_are_pinned() {
             11,
         ),
         (Request::ListGenerations, 12),
+        (
+            Request::InvalidateNamespace {
+                namespace: String::new(),
+            },
+            13,
+        ),
         (Request::Capabilities, 0),
         (Request::Status, 10),
         (Request::Find { roots: vec![] }, 1),
