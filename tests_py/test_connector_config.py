@@ -83,7 +83,7 @@ UPSTREAM_CLASSMETHODS: dict[str, list[str]] = {
     "supports_request_boundary_checkpoints": ["vllm_config"],
 }
 
-# Boundary-checkpoint hooks of the local-inference-lab fork (spec §2.2).
+# Boundary-checkpoint hooks of the local-inference-lab fork (docs/design/vllm-boundary-api.md §2.2).
 FORK_HOOKS: dict[str, list[str]] = {
     "bind_boundary_checkpoint_cache": ["self", "manager"],
     "bind_boundary_checkpoint_state": ["self", "state"],

@@ -1,7 +1,7 @@
 """The worker role of the connector, with a fake copy worker of the CheckpointWorker API.
 
-Covers storage-and-transfer §7.4: binding the page pool and layout, one layout
-report per rank, each task submitted once and reported once per rank, a
+Covers docs/design/transfers.md#the-connectors-task-protocol: binding the page
+pool and layout, one layout report per rank, each task submitted once and reported once per rank, a
 failure while creating the event or submitting marks only that task failed,
 an unbound rank refuses ("bound"), an unsafe worker is fatal, and layouts
 negotiated through the scheduler connector.
