@@ -182,7 +182,7 @@ def test_a_burst_of_stores_within_max_tasks_is_not_refused_by_the_ranks(
     eng = sim_engine_factory(
         world_size=1, max_num_batched_tokens=4096, max_num_seqs=48, num_blocks=1024
     )
-    n = 40  # prompt stores in one step: < max_tasks (64), > max_pending (16)
+    n = 40  # prompt stores in one step: < max_tasks (64), > max_copies_per_rank (16)
     for i in range(n):
         eng.add_request(f"r{i}", [7000 + 16 * i + k for k in range(8)], 2)
     eng.run_until_idle(timeout=30)

@@ -177,8 +177,8 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         self._max_attempts = max_lookup_attempts
         self._max_tasks = max_tasks
         # Tasks sent to the ranks and not yet reported by all of them: never
-        # more than each rank's copy queue admits (its max_pending), or the
-        # surplus would be refused there and reported as failed.
+        # more than each rank's copy queue admits (lmcache_rc.max_copies_per_rank),
+        # or the surplus would be refused there and reported as failed.
         self._max_in_flight = max_tasks if max_in_flight is None else max_in_flight
         if self._max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
