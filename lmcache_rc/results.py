@@ -87,6 +87,7 @@ class ServiceStatus(TypedDict):
     l2_loads: int
     retrieve_capacity_waits: int
     retrieves_cancelled: int
+    retrieves_expired: int
     l2_corrupt_or_missing: int
     l2_write_errors: int
     l2_write_retries: int
