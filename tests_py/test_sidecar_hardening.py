@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 from rpc_helpers import config, make_manifest, restore_rank, store_rank
+from sidecar_helpers import start_sidecar
 from transfer_helpers import LAYOUT, hold_leases, rank_process, rank_server
 
 import lmcache_rc as rc
-from tests_py.sidecar_helpers import start_sidecar
 
 #: How soon a dead worker's leases must be back (they take milliseconds).
 RECLAIM_WITHIN = 1.0
