@@ -6,9 +6,9 @@ path, with 1 and 2 copy threads, and prints each figure next to a
 single-thread memcpy (numpy ``copyto``) of the same bytes measured in the same
 run, with a verdict per target (:data:`TARGETS`: ratio ≥ 0.8 with one copy
 thread, ≥ 1.5 with two; each applies to stores and to restores; see
-docs/operations.md, "lmcache-rc bench"). Every
-restore is checked byte for byte. ``ci/bench.sh`` runs it, alongside the Rust
-benchmarks of the other parts.
+docs/design/README.md#performance-targets and docs/operations.md,
+"lmcache-rc bench"). Every restore is checked byte for byte.
+``ci/bench.sh`` runs it, alongside the Rust benchmarks of the other parts.
 
 By default it starts an embedded sidecar of its own. With ``socket`` it runs
 against an already running sidecar without touching its other data: the

@@ -345,7 +345,8 @@ pub fn assert_idle(svc: &impl AsTarget) {
 }
 
 // ---------------------------------------------------------------------------
-// Helpers for the §12.1-style suites: manifests built from page-group specs,
+// Helpers for the suites built on the standard test manifest
+// (`docs/design/leases.md#the-standard-test-manifest`): manifests built from page-group specs,
 // bytes derived from each page's object key (so deduplicated pages agree
 // across generations), and probes of the service's tiers.
 
@@ -357,7 +358,7 @@ use lmcache_rc_core::service::object_keys;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::object_file_bytes;
 
-/// Namespace of the §12.1-style manifests (tests vary it for isolation).
+/// Namespace of the standard-style manifests (tests vary it for isolation).
 pub const NS: &str = "recurrent-sha256-v1:service-suite";
 
 /// How a page group's content keys are derived (schema 2).
@@ -447,7 +448,8 @@ pub fn build_manifest(
     Manifest::new(generation, prefix, world, payload).unwrap()
 }
 
-/// The page groups of the standard manifest of spec §12.1: attention 128 B x
+/// The page groups of the standard manifest
+/// (`docs/design/leases.md#the-standard-test-manifest`): attention 128 B x
 /// positions 0,1,2; recurrent 256 B x [16]; draft context 64 B x [7, 8];
 /// auxiliary 96 B x [0].
 pub fn standard_groups(kind: &str) -> Vec<GroupSpec> {
@@ -479,7 +481,8 @@ pub fn standard_groups(kind: &str) -> Vec<GroupSpec> {
     ]
 }
 
-/// The standard §12.1 manifest: world 4, [`standard_groups`], over `tokens`.
+/// The standard manifest (`docs/design/leases.md#the-standard-test-manifest`):
+/// world 4, [`standard_groups`], over `tokens`.
 pub fn standard(ns: &str, tokens: &[u32], kind: &str, schema: u8) -> Manifest {
     build_manifest(ns, tokens, 4, &standard_groups(kind), schema, kind)
 }
@@ -727,6 +730,22 @@ pub fn l2_files(root: &Path) -> (u64, u64) {
         }
     }
     (count, bytes)
+}
+
+/// What the L2 of a set of listed manifests takes on disk (count, bytes
+/// rounded up to the allocation unit of the filesystem holding `dir`), as
+/// `l2_objects` and `l2_bytes` report it.
+pub fn charged_l2<'a>(listed: impl IntoIterator<Item = &'a Manifest>, dir: &Path) -> (u64, u64) {
+    let unit = lmcache_rc_core::store::l2::allocation_unit(dir);
+    let mut union = BTreeMap::new();
+    for m in listed {
+        union.extend(key_sizes(m));
+    }
+    let bytes = union
+        .values()
+        .map(|&b| object_file_bytes(b).div_ceil(unit) * unit)
+        .sum();
+    (union.len() as u64, bytes)
 }
 
 /// The L2 files (count, bytes) a set of listed manifests needs.

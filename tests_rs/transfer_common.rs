@@ -1,4 +1,4 @@
-//! Helpers for the transfer-engine suites (spec §6.2, §7, §9): a host page
+//! Helpers for the transfer-engine suites (`docs/design/transfers.md`): a host page
 //! pool (the numpy array a cpu worker binds), workers (engine + cpu backend +
 //! pool) against an in-process service or a real RPC server, manifests whose
 //! page groups all have the pool's row width, and [`Scripted`], a `LeaseApi`
@@ -716,7 +716,7 @@ impl LeaseApi for Scripted {
             Step::Busy => given(Ok(LeaseAnswer::Lease(Lease::busy())), 0),
             Step::Pending => {
                 let id = match &call {
-                    LeaseCall::PollRetrieve { lease_id } => lease_id.clone(),
+                    LeaseCall::PollRetrieve { lease_id, .. } => lease_id.clone(),
                     _ => "scripted-pending".to_string(),
                 };
                 given(Ok(LeaseAnswer::Lease(Lease::pending(id))), 0)

@@ -60,6 +60,7 @@ from lmcache_rc.vllm.common import (
     check_found_prefix,
     handles,
     poll_find,
+    recurrent_boundaries,
 )
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
@@ -454,7 +455,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         boundaries: list[tuple[int, str]] = []
         for info in self._groups:
             if info.kind == "recurrent":
-                boundaries.append((n, f"recurrent:{info.index}"))
+                boundaries.extend(recurrent_boundaries(n, info.index, info.positions(n)))
             else:
                 boundaries.extend(
                     (min((p + 1) * info.block_size, n), f"attention:{info.index}")
@@ -575,7 +576,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         # restore would fail and recompute); restores first: a request is
         # parked on each, stores only hold blocks. A deferred restore's
         # request simply stays in WAITING_FOR_REMOTE_KVS a step longer.
-        room = max(0, self._options.max_pending - in_flight)
+        room = max(0, self._options.max_copies_per_rank - in_flight)
         out: list[CheckpointEngineTask] = []
         unsent = sorted(
             (t for t in self._tasks.values() if not t.sent),

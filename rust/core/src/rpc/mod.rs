@@ -1,4 +1,5 @@
-//! The sidecar RPC: wire format, server and client (DESIGN §3, §5 "RPC", §6).
+//! The sidecar RPC: wire format, server and client (`docs/design/wire-protocol.md`,
+//! `docs/design/README.md#processes`).
 //!
 //! Only metadata crosses the RPC (I10): manifests, roots, lease ids and slot
 //! offsets. Page bytes move through the shared-memory pool, whose descriptor
@@ -29,6 +30,17 @@
 //! ([`wire::DEFAULT_MAX_FRAME`] = 64 MiB, configurable on both sides) is never
 //! read: the server answers it with a connection-level error (below) and
 //! closes the connection.
+//!
+//! The server bounds what a peer can hold (`ServerConfig`): a frame that
+//! started arriving must arrive whole within `frame_timeout` (a connection
+//! idle between frames is never timed out); a frame's buffer grows as its
+//! bytes arrive, never by what `len` claims; and the bytes of unfinished
+//! frames across all connections beyond the first 64 KiB of each are
+//! bounded by `max_buffered_bytes`. A frame past either bound gets a
+//! connection-level error (`Protocol` for the timeout, `Unavailable` for
+//! the budget) and its connection is closed. Connections are capped by
+//! `max_connections`, lowered at start to what the open-file limit allows
+//! beside the descriptors kept for L2 and SQLite ([`crate::limits`]).
 //!
 //! # Handshake
 //!
