@@ -181,6 +181,23 @@ def _run(engine: rc.TransferEngine, manifests: list[rc.Manifest], direction: str
     return time.perf_counter() - start
 
 
+def _connect(socket: str, *, attached: bool) -> rc.Client:
+    """A client of the sidecar at ``socket``; with ``attached`` (--socket) a
+    sidecar that cannot be reached is a :class:`BenchError`."""
+    if not attached:
+        return rc.Client(socket)
+    try:
+        client = rc.Client(socket)
+    except (OSError, rc.errors.CheckpointError) as exc:
+        raise BenchError(f"cannot reach a sidecar at {socket}: {exc}") from exc
+    try:
+        client.capabilities()
+    except (OSError, rc.errors.CheckpointError) as exc:
+        client.close()
+        raise BenchError(f"cannot reach a sidecar at {socket}: {exc}") from exc
+    return client
+
+
 def _check_room(client: rc.Client, needed: int) -> None:
     """Refuse to run on a sidecar whose pool lacks ``needed`` free bytes: the
     run's stores would otherwise evict other clients' pages."""
@@ -229,7 +246,7 @@ def run_transfer_bench(
         else:
             socket_path = socket
         try:
-            with rc.Client(socket_path) as client:
+            with _connect(socket_path, attached=server is None) as client:
                 if server is None:
                     _check_room(client, total)
                 _bench_rounds(

@@ -184,3 +184,16 @@ def test_demo_socket_refuses_keep_and_the_corruption_hook(sidecar: str, tmp_path
     done = cli("demo", "--socket", sidecar, env={CORRUPT_ENV: "1"})
     assert done.returncode == 2, done.stderr
     assert f"{CORRUPT_ENV} cannot be combined with --socket" in done.stderr
+
+
+def test_demo_and_bench_socket_without_a_sidecar_fail_with_a_clear_message(
+    tmp_path: Path,
+) -> None:
+    missing = str(tmp_path / "nobody.sock")
+    demo = cli("demo", "--socket", missing, "--rank-mode", "thread", "--world-size", "1")
+    assert demo.returncode == 1, (demo.stdout, demo.stderr)
+    assert f"lmcache-rc demo: FAILED: cannot reach a sidecar at {missing}" in demo.stderr
+    bench = cli("bench", "--socket", missing, "--mib", "1", "--rounds", "1")
+    assert bench.returncode == 1, (bench.stdout, bench.stderr)
+    assert f"lmcache-rc bench: cannot reach a sidecar at {missing}" in bench.stderr
+    assert "Traceback" not in bench.stderr
