@@ -87,6 +87,7 @@ class ServiceStatus(TypedDict):
     l2_loads: int
     retrieve_capacity_waits: int
     retrieves_cancelled: int
+    retrieves_expired: int
     l2_corrupt_or_missing: int
     l2_write_errors: int
     l2_write_retries: int
@@ -94,6 +95,7 @@ class ServiceStatus(TypedDict):
     reclaimed_objects: int
     restart_retired: int
     clears: int
+    invalidated_generations: int
     reclaimed_store_leases: int
     reclaimed_retrieve_leases: int
     shared_imports: int

@@ -57,6 +57,9 @@ named_enum! {
         RetrieveCapacityWaits = "retrieve_capacity_waits",
         /// Retrieves cancelled before exposing slots.
         RetrievesCancelled = "retrieves_cancelled",
+        /// Retrieve leases whose holder stopped polling them before they
+        /// exposed slots, ended by the sweep after twice `retrieve_timeout`.
+        RetrievesExpired = "retrieves_expired",
         /// L2 reads that proved a page lost (missing or corrupt file).
         L2CorruptOrMissing = "l2_corrupt_or_missing",
         /// L2 writes that failed (each attempt).
@@ -71,6 +74,8 @@ named_enum! {
         RestartRetired = "restart_retired",
         /// Clears performed.
         Clears = "clears",
+        /// Generations retired by `invalidate_namespace`.
+        InvalidatedGenerations = "invalidated_generations",
         /// Store leases aborted because their process was gone.
         ReclaimedStoreLeases = "reclaimed_store_leases",
         /// Retrieve leases released because their process was gone.
