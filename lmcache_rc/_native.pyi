@@ -64,6 +64,7 @@ def _error_table() -> list[tuple[str, str, list[str], str]]: ...
 def _log_for_test(level: str, message: str) -> None: ...
 def default_socket_path() -> str: ...
 def default_l1_bytes() -> int: ...
+def human_size(bytes: int) -> str: ...
 
 _Path: TypeAlias = str | os.PathLike[str]
 
@@ -95,10 +96,10 @@ class ServerConfig:
         *,
         socket: _Path = ...,
         shm_name: str | None = ...,
-        l1_bytes: int = ...,
+        l1_bytes: int | str = ...,
         checkpoint_index_path: _Path | None = ...,
         l2_path: _Path | None = ...,
-        l2_bytes: int | None = ...,
+        l2_bytes: int | str | None = ...,
         http_host: str = ...,
         http_port: int = ...,
         http_max_connections: int = ...,

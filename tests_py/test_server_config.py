@@ -24,7 +24,7 @@ def test_unknown_settings_raise_and_name_the_known_ones() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("l1_bytes", "8388608"),
+        ("l1_bytes", b"8388608"),
         ("l1_bytes", True),
         ("l1_bytes", 4096.0),
         ("max_leases", None),

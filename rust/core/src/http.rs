@@ -924,11 +924,15 @@ fn clear_flags(query: &str) -> Result<(bool, bool)> {
     Ok((clear_force(force), all_tiers))
 }
 
-/// The status as one JSON object (integers and a `misses` map).
+/// The status as one JSON object: integers, the facts (strings or null)
+/// and a `misses` map; the keys of the RPC status as Python sees it.
 pub fn status_json(status: &ServiceStatus) -> String {
     let mut map = serde_json::Map::new();
     for (k, v) in &status.values {
         map.insert(k.clone(), serde_json::Value::from(*v));
+    }
+    for (k, v) in &status.info {
+        map.insert(k.clone(), serde_json::Value::from(v.clone()));
     }
     let misses: serde_json::Map<String, serde_json::Value> = status
         .misses

@@ -33,6 +33,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(config::default_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(config::default_l1_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(config::human_size, m)?)?;
     m.add_class::<config::PyServerConfig>()?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;

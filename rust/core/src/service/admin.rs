@@ -25,8 +25,9 @@ pub(super) fn capabilities(inner: &Inner) -> Capabilities {
     }
 }
 
-/// Counters and gauges (the keys `lmcache_rc.results.ServiceStatus` names): every counter (zeros included)
-/// and the misses that happened, by reason.
+/// Counters and gauges (the keys `lmcache_rc.results.ServiceStatus` names): every counter (zeros included),
+/// the uptime, the misses that happened, by reason, and the service's facts
+/// (version, paths; `socket` is the RPC server's to fill in).
 pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
     let dir = inner.dir.status()?;
     let io_queue = inner.io.lock().as_ref().map_or(0, |io| io.queued() as u64);
@@ -55,6 +56,7 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         ("l2_bytes", l2_bytes),
         ("l2_bytes_written", written),
         ("l2_queue", queued.max(io_queue)),
+        ("uptime_seconds", inner.opened.elapsed().as_secs()),
     ];
     let mut values: BTreeMap<String, u64> = gauges
         .into_iter()
@@ -68,7 +70,24 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         .misses()
         .map(|(reason, n)| (reason.as_str().to_string(), n))
         .collect();
-    Ok(ServiceStatus { values, misses })
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let info = [
+        ("version", Some(env!("CARGO_PKG_VERSION").to_string())),
+        ("socket", None),
+        (
+            "checkpoint_index_path",
+            path(&inner.config.checkpoint_index_path),
+        ),
+        ("l2_path", path(&inner.config.l2_path)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    Ok(ServiceStatus {
+        values,
+        misses,
+        info,
+    })
 }
 
 /// Drops L1 copies (and with `all_tiers` L2 files too). `force = false`

@@ -78,6 +78,8 @@ struct Inner {
     l2: Option<Arc<L2Tier>>,
     io: Mutex<Option<IoPool>>,
     state: tiers::StateLock,
+    /// When the service opened (its status reports the uptime).
+    opened: std::time::Instant,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.

@@ -97,6 +97,7 @@ impl CheckpointService {
             l2,
             io: parking_lot::Mutex::new(io),
             state: StateLock::new(State::new(alloc, lease_salt())),
+            opened: std::time::Instant::now(),
         });
         reconcile(&inner, inventory)?;
         let reaper = super::reclaim::Reaper::start(&inner)?;
