@@ -668,7 +668,8 @@ mod tests {
         assert_eq!(human_size(8 << 30), "8.0 GiB");
         assert_eq!(human_size(1536), "1.5 KiB");
         assert_eq!(human_size(1023), "1023 bytes");
-        assert_eq!(human_size(3 << 41), "6144.0 TiB");
+        assert_eq!(human_size(3 << 41), "6.0 TiB");
+        assert_eq!(human_size(3 << 51), "6144.0 TiB");
         let e = p(FieldKind::Bytes, "banana", false)
             .unwrap_err()
             .to_string();

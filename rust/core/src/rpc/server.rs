@@ -840,8 +840,10 @@ fn serve_connection(shared: Arc<Shared>, id: u64, stream: UnixStream) {
         Some(p) if !shared.stopping.load(Ordering::SeqCst) => {
             let reclaimed = shared.service.peer_disconnected(p, EXIT_GRACE);
             log::debug!(
-                "RPC connection {id} of {} closed; leases reclaimed: {reclaimed:?}",
-                p.key()
+                "RPC connection {id} of {} closed; leases reclaimed: {} store, {} retrieve",
+                p.key(),
+                reclaimed.store_leases,
+                reclaimed.retrieve_leases
             );
         }
         _ => log::debug!("RPC connection {id} closed"),

@@ -187,7 +187,7 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     if let Some(l2) = &inner.l2 {
         for key in &deletes {
             if let Err(e) = l2.remove(key) {
-                log::warn!("deleting L2 object {key:?} failed: {e}");
+                log::warn!("deleting L2 object {} failed: {e}", key.hex());
             }
         }
     }
@@ -291,7 +291,7 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
                     e,
                     Error::NotFound(_) | Error::Corrupt(_) | Error::UnsupportedFormat(_)
                 );
-                log::warn!("L2 read of {key:?} failed: {e}");
+                log::warn!("L2 read of object {} failed: {e}", key.hex());
                 st.drop_l1(&key);
                 let reason = if proof {
                     MissReason::LostObject
@@ -331,7 +331,7 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
         match result {
             Ok(_) => st.mark_durable(&key),
             Err(e) => {
-                log::warn!("L2 write of {key:?} failed: {e}");
+                log::warn!("L2 write of object {} failed: {e}", key.hex());
                 st.count(Counter::L2WriteErrors, 1);
                 if let Some(obj) = st.objects.get_mut(&key) {
                     obj.l2 = L2::Absent;
