@@ -48,6 +48,7 @@ __all__ = [
     "checkpoint_namespace",
     "default_l1_bytes",
     "default_socket_path",
+    "human_size",
 ]
 
 _Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -84,6 +85,7 @@ class ServerConfig:
     http_idle_timeout: float
     max_entries: int
     max_pending: int
+    max_pending_bytes: int
     max_leases: int
     store_admission_timeout: float
     retrieve_timeout: float
@@ -91,6 +93,8 @@ class ServerConfig:
     l2_io_threads: int
     drain_timeout: float
     max_connections: int
+    rpc_frame_timeout: float
+    rpc_max_buffered_bytes: int
     def __new__(
         cls,
         *,
@@ -106,6 +110,7 @@ class ServerConfig:
         http_idle_timeout: float = ...,
         max_entries: int = ...,
         max_pending: int = ...,
+        max_pending_bytes: int = ...,
         max_leases: int = ...,
         store_admission_timeout: float = ...,
         retrieve_timeout: float = ...,
@@ -113,6 +118,8 @@ class ServerConfig:
         l2_io_threads: int = ...,
         drain_timeout: float = ...,
         max_connections: int = ...,
+        rpc_frame_timeout: float = ...,
+        rpc_max_buffered_bytes: int = ...,
     ) -> ServerConfig: ...
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig: ...

@@ -150,6 +150,9 @@ def test_a_bad_environment_variable_is_named_with_an_example(
         ("--l1-bytes", "0", "positive multiple of 4096"),
         ("--http-port", "70000", "-1 (off)"),
         ("--drain-timeout", "soon", "a number of seconds"),
+        ("--rpc-frame-timeout", "0", "must be a positive number of seconds"),
+        ("--rpc-max-buffered-bytes", "1M", "at least the 64.0 MiB frame limit, got 1.0 MiB"),
+        ("--max-pending-bytes", "0", "must be positive"),
     ],
 )
 def test_out_of_range_flags_exit_2_naming_the_flag(

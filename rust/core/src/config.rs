@@ -205,6 +205,8 @@ impl FieldSpec {
             "max_pending" => "128",
             "max_leases" => "1024",
             "l2_io_threads" => "2",
+            "max_pending_bytes" => "256MiB",
+            "rpc_max_buffered_bytes" => "1GiB",
             _ => self.kind.example(),
         }
     }
@@ -377,6 +379,9 @@ sidecar_config! {
     max_entries: Count = ServiceConfig::default().max_entries;
     /// Most generations pending publication at once.
     max_pending: Count = ServiceConfig::default().max_pending;
+    /// Most bytes the manifests of pending generations hold in memory at
+    /// once (a manifest may be 16 MiB); `begin` answers false beyond it.
+    max_pending_bytes: Bytes = ServiceConfig::default().max_pending_bytes;
     /// Most live worker leases (store + retrieve).
     max_leases: Count = ServiceConfig::default().max_leases as u64;
     /// How long a store waits for L1 space before missing.
@@ -390,8 +395,17 @@ sidecar_config! {
     l2_io_threads: Count = ServiceConfig::default().l2_io_threads as u64;
     /// How long a stopping server lets live leases finish.
     drain_timeout: Seconds = rpc::ServerConfig::new("").drain_timeout;
-    /// Most RPC connections served at once (more are refused).
+    /// Most RPC connections served at once (more are refused); lowered at
+    /// start to what the open-file limit allows beside 256 descriptors kept
+    /// for L2 and the directory.
     max_connections: Count = rpc::ServerConfig::new("").max_connections as u64;
+    /// A request frame that started arriving must arrive whole within this
+    /// time, or its connection is closed (idle connections are kept).
+    rpc_frame_timeout: Seconds = rpc::ServerConfig::new("").frame_timeout;
+    /// Bytes of incoming request frames buffered across all RPC connections;
+    /// a frame beyond it closes its connection (at least the 64 MiB frame
+    /// limit).
+    rpc_max_buffered_bytes: Bytes = rpc::ServerConfig::new("").max_buffered_bytes as u64;
 }
 
 /// The prefix of the environment variables that set a sidecar's settings.
@@ -471,6 +485,7 @@ impl SidecarConfig {
             checkpoint_index_path: self.checkpoint_index_path.clone(),
             max_entries: self.max_entries,
             max_pending: self.max_pending,
+            max_pending_bytes: self.max_pending_bytes,
             max_leases: usize_of("max_leases", self.max_leases)?,
             store_admission_timeout: self.store_admission_timeout,
             retrieve_timeout: self.retrieve_timeout,
@@ -501,6 +516,9 @@ impl SidecarConfig {
         };
         server.drain_timeout = self.drain_timeout;
         server.max_connections = usize_of("max_connections", self.max_connections)?;
+        server.frame_timeout = self.rpc_frame_timeout;
+        server.max_buffered_bytes =
+            usize_of("rpc_max_buffered_bytes", self.rpc_max_buffered_bytes)?;
         Ok((service, server))
     }
 
@@ -565,8 +583,22 @@ pub fn check_value(field: &FieldSpec, value: Option<&FieldValue>) -> Result<()> 
             | "http_max_connections",
             Some(FieldValue::Unsigned(0)),
         ) => bad("must be at least 1", "0".into()),
-        ("http_idle_timeout", Some(FieldValue::Seconds(d))) if d.is_zero() => {
+        ("http_idle_timeout" | "rpc_frame_timeout", Some(FieldValue::Seconds(d)))
+            if d.is_zero() =>
+        {
             bad("must be a positive number of seconds", "0".into())
+        }
+        ("max_pending_bytes", Some(FieldValue::Unsigned(0))) => bad("must be positive", "0".into()),
+        ("rpc_max_buffered_bytes", Some(FieldValue::Unsigned(n)))
+            if *n < rpc::wire::DEFAULT_MAX_FRAME as u64 =>
+        {
+            bad(
+                &format!(
+                    "must be at least the {} frame limit",
+                    human_size(rpc::wire::DEFAULT_MAX_FRAME as u64)
+                ),
+                human_size(*n),
+            )
         }
         ("http_port", Some(FieldValue::Signed(p))) if !(-1..=65535).contains(p) => bad(
             "must be a port in 0..=65535 (0: a free port) or -1 (off)",
