@@ -452,7 +452,7 @@ impl SidecarConfig {
     }
 
     /// Refuses settings no server could start with; the error names the
-    /// setting (`max_entries: must be at least 1, got 0 (e.g. 64)`).
+    /// setting (`max_entries: must be at least 1, got 0 (e.g. 65536)`).
     fn validate(&self) -> Result<()> {
         for field in Self::FIELDS {
             let value = self.get(field.name)?;
