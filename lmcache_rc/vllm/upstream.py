@@ -193,6 +193,10 @@ class UpstreamScheduler(TaskBook[_Task]):
         """The negotiated worker layout, or None while negotiation is open."""
         return None if self._negotiation.layout is None else dict(self._negotiation.layout)
 
+    def namespace(self, cache_salt: str | None) -> str:
+        """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
+        return self._negotiation.namespace(cache_salt)
+
     @property
     def groups(self) -> tuple[GroupInfo, ...]:
         """The KV-cache groups, in vLLM's order."""
@@ -572,7 +576,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         # restore would fail and recompute); restores first: a request is
         # parked on each, stores only hold blocks. A deferred restore's
         # request simply stays in WAITING_FOR_REMOTE_KVS a step longer.
-        room = max(0, self._options.max_pending - in_flight)
+        room = max(0, self._options.max_copies_per_rank - in_flight)
         out: list[CheckpointEngineTask] = []
         unsent = sorted(
             (t for t in self._tasks.values() if not t.sent),

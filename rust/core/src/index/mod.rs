@@ -1,5 +1,7 @@
 //! The durable checkpoint directory: published manifests in SQLite, pending
-//! generations in memory (`spec/identity-and-index.md` §2, DESIGN §5).
+//! generations in memory (`docs/design/manifests.md#the-directorys-contract`,
+//! `docs/design/directory.md`,
+//! `docs/design/README.md#where-lmcache-rc-differs-from-the-reference`).
 //!
 //! # What it owns
 //!
@@ -46,7 +48,9 @@
 //!
 //! [`mark_durable`]: Directory::mark_durable
 //!
-//! # Differences from the reference (DESIGN §5)
+//! # Differences from the reference
+//!
+//! See also `docs/design/README.md#where-lmcache-rc-differs-from-the-reference`.
 //!
 //! * **Recency is batched.** A successful [`find`](Directory::find) stamps the
 //!   winner with a fresh `access_order` in memory only. Dirty stamps are
@@ -81,9 +85,10 @@
 //!   count it in [`DirectoryStatus::invalid_rows`]. The row is not deleted
 //!   behind the caller's back; it ages out through LRU eviction (reported in
 //!   [`Publication::evicted`]) or an explicit invalidate/retire.
-//! * **Durability flag.** [`mark_durable`](Directory::mark_durable) records,
-//!   in batches, that every payload object of a generation reached disk
-//!   (DESIGN §5, I8); [`list`](Directory::list) reports it.
+//! * **Durability flag.** [`mark_durable`](Directory::mark_durable) records, in
+//!   batches, that every payload object of a generation reached disk (invariant
+//!   I8 of `docs/design/README.md#invariants`, `docs/design/directory.md`);
+//!   [`list`](Directory::list) reports it.
 //! * **Publication never waits for an fsync** (the reference syncs every
 //!   commit); durability is batched as above. Concurrent publications share
 //!   transactions (see [`acknowledge`](Directory::acknowledge)).
@@ -150,6 +155,8 @@ const SQL_ROW_BY_ROWID: &str = "SELECT namespace, start_tokens, prefix_hash, tai
 const SQL_ROWID_BY_GENERATION: &str = "SELECT rowid FROM checkpoints WHERE generation = ?1";
 const SQL_ROW_BY_PREFIX: &str = "SELECT rowid, generation FROM checkpoints WHERE namespace = ?1 \
      AND start_tokens = ?2 AND prefix_hash = ?3 AND tail = ?4";
+const SQL_GENERATIONS_OF_NAMESPACE: &str =
+    "SELECT generation FROM checkpoints WHERE namespace = ?1 ORDER BY generation";
 const SQL_DELETE_ROW: &str = "DELETE FROM checkpoints WHERE rowid = ?1";
 const SQL_DELETE_TAIL: &str = "DELETE FROM checkpoint_tails WHERE generation = ?1";
 const SQL_SET_DURABLE: &str = "UPDATE checkpoint_tails SET durable = ?2 WHERE generation = ?1";
@@ -942,6 +949,19 @@ impl Directory {
             .collect())
     }
 
+    /// The published generations of one namespace, ordered by id (the
+    /// primary key's leading column: an index range, never a scan).
+    /// Recency is not touched.
+    pub fn generations_of_namespace(&self, namespace: &str) -> Result<Vec<String>> {
+        let guard = self.lock()?;
+        let conn = guard.conn()?;
+        let mut stmt = conn.prepare_cached(SQL_GENERATIONS_OF_NAMESPACE).db()?;
+        let rows = stmt
+            .query_map(params![namespace], |row| row.get::<_, String>(0))
+            .db()?;
+        rows.map(|r| r.db()).collect()
+    }
+
     /// The published manifest of a generation, without touching recency.
     pub fn get(&self, generation: &str) -> Result<Option<Manifest>> {
         let mut guard = self.lock()?;
@@ -1043,9 +1063,11 @@ impl Directory {
         Ok(all)
     }
 
-    /// Marks published generations durable: every payload object of each is
-    /// on disk (DESIGN §5, I8). One transaction for the whole batch; returns,
-    /// per input, whether that generation is published (and so now marked).
+    /// Marks published generations durable: every payload object of each is on
+    /// disk (invariant I8 of `docs/design/README.md#invariants`,
+    /// `docs/design/directory.md`). One transaction for the whole batch;
+    /// returns, per input, whether that generation is published (and so now
+    /// marked).
     ///
     /// On return the marks are on disk (file mode): the transaction commits
     /// without an fsync under the directory lock, then one fsync of the

@@ -1,4 +1,5 @@
-//! The sidecar RPC: wire format, server and client (DESIGN §3, §5 "RPC", §6).
+//! The sidecar RPC: wire format, server and client (`docs/design/wire-protocol.md`,
+//! `docs/design/README.md#processes`).
 //!
 //! Only metadata crosses the RPC (I10): manifests, roots, lease ids and slot
 //! offsets. Page bytes move through the shared-memory pool, whose descriptor
@@ -83,7 +84,8 @@
 //! variant index is the request type: 0 CAPABILITIES, 1 FIND, 2 BEGIN,
 //! 3 ABORT, 4 PREPARE_STORE, 5 FINISH_STORE, 6 BEGIN_RETRIEVE,
 //! 7 POLL_RETRIEVE, 8 FINISH_RETRIEVE, 9 CANCEL_RETRIEVE, 10 STATUS,
-//! 11 CLEAR{force, all_tiers}, 12 LIST_GENERATIONS. Variants and fields are append-only; any other
+//! 11 CLEAR{force, all_tiers}, 12 LIST_GENERATIONS, 13 INVALIDATE_NAMESPACE{namespace}.
+//! Variants and fields are append-only; any other
 //! change needs a new protocol version. Manifests and prefixes travel as
 //! plain fields ([`wire::WireManifest`], [`wire::WirePrefix`]; payload and
 //! prefix hash as byte strings) and are validated by the core constructors on
