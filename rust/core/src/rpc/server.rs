@@ -1151,6 +1151,9 @@ impl Checkpoints for AdminView {
     fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
         self.svc().clear(force, all_tiers)
     }
+    fn invalidate_namespace(&self, namespace: &str) -> Result<u64> {
+        self.svc().invalidate_namespace(namespace)
+    }
     fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
         self.svc().list_generations()
     }
