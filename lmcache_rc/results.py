@@ -55,6 +55,7 @@ class ServiceStatus(TypedDict):
     objects: int
     l2_objects: int
     l2_bytes: int
+    l2_capacity: int
     l2_bytes_written: int
     l2_queue: int
     find_hits: int
@@ -73,6 +74,8 @@ class ServiceStatus(TypedDict):
     admission_busy: int
     published: int
     hits: int
+    restored_pages: int
+    restored_tokens: int
     evictions: int
     l1_evictions: int
     l2_evictions: int
