@@ -52,6 +52,7 @@ fn status_and_metrics_describe_the_service_over_http() {
     assert_eq!(status["generations"], 1);
     assert_eq!(status["l1_objects"], 5);
     assert!(status["misses"].is_object());
+    // Without `Accept: application/openmetrics-text`: the Prometheus text format.
     let (code, body) = request(&admin, "GET", "/metrics");
     assert_eq!(code, 200);
     let mut seen = 0;
@@ -62,13 +63,34 @@ fn status_and_metrics_describe_the_service_over_http() {
         let (name, value) = line.rsplit_once(' ').unwrap();
         assert!(name.starts_with("lmcache_rc_"), "{line}");
         value.parse::<f64>().unwrap();
-        if name == "lmcache_rc_generations" {
-            assert_eq!(value, "1");
-        }
         seen += 1;
     }
-    assert!(seen >= 10, "{body}");
-    assert!(body.trim_end().ends_with("# EOF"));
+    assert!(seen >= 40, "{body}");
+    for line in [
+        "lmcache_rc_generations 1",
+        "lmcache_rc_tier_objects{tier=\"L1\"} 5",
+        "# TYPE lmcache_rc_published_generations_total counter",
+        "lmcache_rc_published_generations_total 1",
+    ] {
+        assert!(
+            body.lines().any(|l| l == line),
+            "{line} missing from\n{body}"
+        );
+    }
+    assert!(
+        !body.contains("# EOF") && !body.contains("# UNIT"),
+        "{body}"
+    );
+    // Prometheus asks for OpenMetrics and gets it.
+    let accept = "Accept: application/openmetrics-text;version=1.0.0;q=0.5,text/plain;q=0.4\r\n";
+    let (code, open) = request_with(&admin, "GET", "/metrics", accept);
+    assert_eq!(code, 200);
+    assert!(
+        open.lines()
+            .any(|l| l == "# TYPE lmcache_rc_published_generations counter"),
+        "{open}"
+    );
+    assert!(open.trim_end().ends_with("# EOF"), "{open}");
     assert_eq!(request(&admin, "GET", "/nope").0, 404);
     assert_eq!(request(&admin, "GET", "/clear").0, 405);
     let auth = format!("Authorization: Bearer {}\r\n", admin.token().as_str());

@@ -26,6 +26,7 @@ pub mod identity;
 pub mod index;
 pub mod json;
 pub mod manifest;
+pub mod metrics;
 pub mod peer;
 pub mod protocol;
 pub mod rpc;
