@@ -83,6 +83,7 @@ class ServerConfig:
     http_idle_timeout: float
     max_entries: int
     max_pending: int
+    max_pending_bytes: int
     max_leases: int
     store_admission_timeout: float
     retrieve_timeout: float
@@ -90,6 +91,8 @@ class ServerConfig:
     l2_io_threads: int
     drain_timeout: float
     max_connections: int
+    rpc_frame_timeout: float
+    rpc_max_buffered_bytes: int
     def __new__(
         cls,
         *,
@@ -105,6 +108,7 @@ class ServerConfig:
         http_idle_timeout: float = ...,
         max_entries: int = ...,
         max_pending: int = ...,
+        max_pending_bytes: int = ...,
         max_leases: int = ...,
         store_admission_timeout: float = ...,
         retrieve_timeout: float = ...,
@@ -112,6 +116,8 @@ class ServerConfig:
         l2_io_threads: int = ...,
         drain_timeout: float = ...,
         max_connections: int = ...,
+        rpc_frame_timeout: float = ...,
+        rpc_max_buffered_bytes: int = ...,
     ) -> ServerConfig: ...
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig: ...

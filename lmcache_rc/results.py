@@ -58,10 +58,18 @@ class ServiceStatus(TypedDict):
     l2_capacity: int
     l2_bytes_written: int
     l2_queue: int
+    l2_write_retrying: int
+    """L2 writes waiting for a retry (their pages stay pinned in RAM)."""
+    pending_bytes: int
+    """Manifest bytes of the pending generations (bounded by ``max_pending_bytes``)."""
+    stores_refused: int
+    """1 while ``begin`` is refused because the disk is full, else 0."""
     find_hits: int
     find_misses: int
     begin_draining: int
     begin_suppressed: int
+    begin_refused_pending_bytes: int
+    begin_refused_no_space: int
     abandoned_generations: int
     store_pages_reused: int
     store_pages_new: int
@@ -82,8 +90,10 @@ class ServiceStatus(TypedDict):
     l2_loads: int
     retrieve_capacity_waits: int
     retrieves_cancelled: int
+    retrieves_expired: int
     l2_corrupt_or_missing: int
     l2_write_errors: int
+    l2_write_retries: int
     l2_skipped_full: int
     reclaimed_objects: int
     restart_retired: int
@@ -100,6 +110,12 @@ class RpcStatus(ServiceStatus):
     rpc_connections_total: int
     rpc_requests: int
     rpc_protocol_errors: int
+    rpc_max_connections: int
+    """Connections served at once (``max_connections``, lowered to fit the open-file limit)."""
+    rpc_buffered_bytes: int
+    """Bytes of unfinished request frames buffered now (bounded by ``rpc_max_buffered_bytes``)."""
+    rpc_frames_timed_out: int
+    rpc_frames_over_budget: int
 
 
 class ClearReport(TypedDict):

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rpc_helpers import make_manifest, restore_rank, store_rank
+from sidecar_helpers import cli, start_sidecar
 
 import lmcache_rc as rc
 from lmcache_rc.cli import build_parser
 from lmcache_rc.config import ServerConfig
-from tests_py.rpc_helpers import make_manifest, restore_rank, store_rank
-from tests_py.sidecar_helpers import cli, start_sidecar
 
 
 @pytest.fixture

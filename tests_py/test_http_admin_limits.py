@@ -17,10 +17,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from rpc_helpers import make_manifest, store_rank
+from sidecar_helpers import cli, start_sidecar
 
 import lmcache_rc as rc
-from tests_py.rpc_helpers import make_manifest, store_rank
-from tests_py.sidecar_helpers import cli, start_sidecar
 
 Addr = tuple[str, int]
 MiB = 1 << 20

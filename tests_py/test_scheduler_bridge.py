@@ -732,6 +732,54 @@ def test_bridge_payloads_are_canonical_checkpoint_payloads(client: WrappedClient
     manager.assert_balanced()
 
 
+class TwoStateManager(FakeManager):
+    """A fork allocator whose Mamba group keeps its state in two pages."""
+
+    def boundary_checkpoint_page_positions(self, num_tokens: int) -> tuple[tuple[int, ...], ...]:
+        attention, _ = super().boundary_checkpoint_page_positions(num_tokens)
+        count = math.ceil(num_tokens / BLOCK)
+        return (attention, (count - 2, count - 1))
+
+
+def test_a_recurrent_group_with_several_positions_gets_a_key_per_position(
+    client: WrappedClient,
+) -> None:
+    # Issue 12, item 9: every position of a recurrent group got the key of
+    # "recurrent:<g>", so one object stood for all of them and no restore of
+    # the generation could ever succeed.
+    bridge, manager, _ = make_bridge(client, TwoStateManager())
+    producer = Req("p", list(TOKENS))
+    ck = manager.publish_local(producer, 11)
+    assert bridge.store(producer, ck)
+    (task,) = wait_tasks(bridge)
+    payload = json.loads(task.manifest.payload)
+    recurrent = payload["page_groups"][1]
+    assert recurrent["positions"] == [1, 2]
+    roots = rc.TokenRoots.build(bridge.namespace(None), TOKENS[:11])
+    assert recurrent["content_keys"] == roots.content_keys(
+        [(11, "recurrent:1:1"), (11, "recurrent:1:2")]
+    )
+    assert len(set(recurrent["content_keys"])) == 2
+    results = run_ranks(client.client, [task]).results[task.task_id]
+    assert results == {0: True, 1: True}
+    bridge.update(output(CheckpointWorkerMetadata(results={task.task_id: results})))
+    assert client.client.find(roots.roots) == task.manifest
+    # Every rank restores every page (two distinct state pages each).
+    for rank in range(2):
+        assert play_rank(client.client, task_retrieve(task), rank)
+    idle(client)
+
+
+def task_retrieve(task: CheckpointEngineTask) -> CheckpointEngineTask:
+    """The same manifest as a RETRIEVE task (for play_rank)."""
+    return CheckpointEngineTask(
+        task_id=task.task_id,
+        direction="RETRIEVE",
+        manifest=task.manifest,
+        block_ids=task.block_ids,
+    )
+
+
 def test_failed_begin_releases_source_pin_after_request_cancellation(
     client: WrappedClient,
 ) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,28 @@ def test_every_setting_is_documented_in_the_configuration_guide() -> None:
     for name, _, _, _ in rc.ServerConfig.fields():
         flag = "--" + name.replace("_", "-")
         assert f"`{name}` / `{flag}`" in guide, name
+
+
+def test_checkpoint_service_takes_a_server_config_and_honours_every_setting(
+    tmp_path: Path,
+) -> None:
+    # Issue 12, item 9: rc.CheckpointService({"l1_bytes": 1 << 20}) silently
+    # opened a 1 GiB pool with defaults (any getattr error fell back to the
+    # default). The ServerConfig refactor made the config strict; this pins it.
+    with pytest.raises(TypeError):
+        rc.CheckpointService({"l1_bytes": 1 << 20})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        rc.ServerConfig(l1_bytes="1M")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="l1_byte"):
+        rc.ServerConfig(l1_byte=1 << 20)  # type: ignore[call-arg]
+    config = rc.ServerConfig(
+        socket=str(tmp_path / "s.sock"),
+        shm_name=f"lmrc-cfg-{os.getpid()}-{time.monotonic_ns()}",
+        l1_bytes=1 << 20,
+        max_pending=3,
+    )
+    svc = rc.CheckpointService(config)
+    try:
+        assert svc.capabilities()["pool_size"] == 1 << 20
+    finally:
+        svc.close()

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from rpc_helpers import config, make_manifest, restore_rank, store_rank
-from tests_py.sidecar_helpers import start_sidecar
+from sidecar_helpers import start_sidecar
 from transfer_helpers import LAYOUT, hold_leases, rank_process, rank_server
 
 import lmcache_rc as rc

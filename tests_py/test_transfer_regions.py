@@ -225,9 +225,11 @@ def test_jobs_that_do_not_fit_the_regions_are_refused_before_leasing(server: Any
             "range": [[1, 2, 3], [NB], [5]],
             "twice": [[1, 2, 3], [3], [5]],
         }
+        # One at a time: an engine refuses a job whose blocks an unfinished
+        # job writes (issue 12), and these cases share blocks.
         for task, ids in cases.items():
             assert worker.submit(task, m, "RETRIEVE", ids)
-        assert collect_all(worker, len(cases)) == dict.fromkeys(cases, False)
+            assert collect_all(worker, 1) == {task: False}
         assert all(np.array_equal(a, b) for a, b in zip(bufs, before, strict=True))
         assert idle(client) == (0, 0, 0)
         # The generation still stores and restores.

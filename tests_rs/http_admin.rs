@@ -295,3 +295,33 @@ fn a_request_that_panics_answers_500_and_the_server_keeps_serving() {
     drop(admin);
     assert_idle(&inner);
 }
+
+#[test]
+fn every_status_value_of_a_sidecar_has_a_described_series() {
+    use lmcache_rc_core::metrics::{self, FAMILIES, Format};
+    // The RPC server's status: the service's values and the RPC layer's.
+    let rig = crate::rpc_common::rig("metrics-keys");
+    let status = rig.server.status().unwrap();
+    for key in status.values.keys() {
+        assert!(metrics::series_of(key).is_some(), "{key} has no series");
+    }
+    let text = metrics::exposition(&status, Format::OpenMetrics).unwrap();
+    assert!(!text.contains("has no description"), "{text}");
+    for family in FAMILIES {
+        let kind = match family.kind {
+            metrics::Kind::Counter => "counter",
+            metrics::Kind::Gauge => "gauge",
+        };
+        let line = format!("# TYPE {} {kind}", family.full_name());
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing from\n{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&family.sample_name()) && !l.starts_with('#')),
+            "no sample of {}",
+            family.full_name()
+        );
+    }
+}

@@ -278,3 +278,81 @@ fn refused_opens_leave_an_existing_directory_intact() {
     let got: Option<Manifest> = dir.get("g").unwrap();
     assert_eq!(got, Some(fixture("g")));
 }
+
+/// Issue 12, failure 7: a foreign SQLite file (`user_version` 0, unrelated
+/// tables) was adopted and rewritten. It is refused and left untouched, and
+/// so is a `checkpoints` table that is not ours.
+#[test]
+fn a_sqlite_file_that_is_not_a_checkpoint_directory_is_refused_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, sql, why) in [
+        (
+            "app.sqlite",
+            "CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT); \
+             INSERT INTO users VALUES (1, 'ann');",
+            "tables lmcache-rc does not know: users",
+        ),
+        (
+            "other-checkpoints.sqlite",
+            "CREATE TABLE checkpoints (step INTEGER, path TEXT);",
+            "lacks the columns",
+        ),
+    ] {
+        let path = tmp.path().join(name);
+        {
+            let conn = rusqlite::Connection::open(&path).unwrap();
+            conn.execute_batch(sql).unwrap();
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let err = Directory::open(Some(&path), DirectoryConfig::default()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::UnsupportedFormat, "{err}");
+        let text = err.to_string();
+        assert!(text.contains("not a checkpoint directory"), "{text}");
+        assert!(text.contains(why), "{text}");
+        assert!(text.contains("--checkpoint-index-path"), "{text}");
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "left untouched");
+        assert_eq!(user_version(&path), 0);
+        assert!(!tmp.path().join(format!("{name}-wal")).exists());
+    }
+}
+
+/// Issue 12, failure 7: the index and its WAL and shared-memory files were
+/// created with the umask's mode (0644: other users read prompt token ids).
+#[test]
+fn the_index_and_its_wal_files_are_private_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("index.sqlite");
+    // The usual umask (0644 files); the process-wide umask is restored at once.
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o022));
+    let dir = Directory::open(Some(&path), DirectoryConfig::default());
+    rustix::process::umask(old);
+    let dir = dir.unwrap();
+    publish(&dir, &fixture("g"));
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    for suffix in ["", "-wal", "-shm"] {
+        let p = tmp.path().join(format!("index.sqlite{suffix}"));
+        assert!(p.exists(), "{}", p.display());
+        assert_eq!(mode(&p), 0o600, "{}", p.display());
+    }
+    dir.close().unwrap();
+    // An existing file of ours with a wider mode is narrowed at open.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let dir = Directory::open(Some(&path), DirectoryConfig::default()).unwrap();
+    assert_eq!(mode(&path), 0o600);
+    dir.close().unwrap();
+}
+
+/// Issue 12, failure 7: an index reached through a symbolic link is refused
+/// (another user could point it at a file of their choice).
+#[test]
+fn an_index_reached_through_a_symlink_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let real = tmp.path().join("real.sqlite");
+    let link = tmp.path().join("link.sqlite");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let err = Directory::open(Some(&link), DirectoryConfig::default()).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("symbolic link"), "{err}");
+    assert!(!real.exists(), "nothing created through the link");
+}

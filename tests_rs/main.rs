@@ -30,6 +30,7 @@ mod service_common;
 mod service_crash;
 mod service_faults;
 mod service_lease_rules;
+mod service_limits;
 mod service_overlapping_stores;
 mod service_races;
 mod service_reclaim;

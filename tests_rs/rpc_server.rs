@@ -18,7 +18,7 @@ use lmcache_rc_core::service::LeaseStatus;
 use lmcache_rc_core::{ErrorKind, Manifest};
 
 use crate::rpc_common::*;
-use crate::service_common::{GroupSpec, NS, Role, build_manifest, seq, standard};
+use crate::service_common::{GroupSpec, HANG_GUARD, NS, Role, build_manifest, seq, standard};
 
 fn one_rank(tokens: &[u32], pages: u64) -> Manifest {
     build_manifest(
@@ -615,4 +615,114 @@ fn connections_beyond_the_limit_are_refused_with_a_reason() {
     };
     c.status().unwrap();
     a.status().unwrap();
+}
+
+/// Issue 12, failure 4: a started frame that stalls is dropped after the
+/// frame timeout (its thread ends), and an idle connection between frames
+/// is kept.
+#[test]
+fn a_stalled_frame_closes_its_connection_after_the_frame_timeout() {
+    let rig = rig_with(service_config("stall"), |c| {
+        c.frame_timeout = Duration::from_millis(300)
+    });
+    let mut idle = raw_connect(&rig.socket);
+    let mut stalled = raw_connect(&rig.socket);
+    // The largest allowed length, one byte of it, then silence.
+    stalled
+        .write_all(&(wire::DEFAULT_MAX_FRAME as u32).to_le_bytes())
+        .unwrap();
+    stalled.write_all(&[0]).unwrap();
+    let (id, reply) = read_reply(&mut stalled).expect("a connection error");
+    assert_eq!(id, wire::CONNECTION_ERROR_ID);
+    assert_eq!(err_kind(&reply), "Protocol");
+    assert_closed(&mut stalled);
+    let status = rig.server.status().unwrap();
+    assert_eq!(status.values["rpc_frames_timed_out"], 1);
+    assert_eq!(status.values["rpc_buffered_bytes"], 0);
+    // The idle connection waited longer than the timeout and still works.
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, reply) = roundtrip(&mut idle, 7, &body(&Request::Status));
+    assert!(matches!(reply, Reply::Ok(_)), "{reply:?}");
+}
+
+/// Issue 12, failure 4: bytes of unfinished frames are bounded across all
+/// connections; the connection whose frame would exceed the bound is closed
+/// with `Unavailable`; small requests are still served.
+#[test]
+fn unfinished_frames_are_bounded_in_bytes_across_connections() {
+    let rig = rig_with(service_config("budget"), |c| {
+        c.max_frame = 1 << 20;
+        c.max_buffered_bytes = 2 << 20;
+    });
+    let chunk = vec![0u8; (1 << 20) - 100];
+    let mut held = Vec::new();
+    let mut refused = None;
+    for _ in 0..4 {
+        let mut s = raw_connect(&rig.socket);
+        s.write_all(&((1u32 << 20).to_le_bytes())).unwrap();
+        // Most of the frame, never its end.
+        if s.write_all(&chunk).is_err() {
+            refused = Some(s);
+            break;
+        }
+        let deadline = Instant::now() + HANG_GUARD;
+        while rig.server.status().unwrap().values["rpc_buffered_bytes"]
+            < (held.len() as u64 + 1) * (chunk.len() - wire::UNCHARGED_BYTES) as u64
+            && rig.server.status().unwrap().values["rpc_frames_over_budget"] == 0
+        {
+            assert!(Instant::now() < deadline, "the server never read the frame");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if rig.server.status().unwrap().values["rpc_frames_over_budget"] > 0 {
+            refused = Some(s);
+            break;
+        }
+        held.push(s);
+    }
+    let mut refused = refused.expect("a frame beyond the budget is refused");
+    assert_eq!(
+        held.len(),
+        2,
+        "two unfinished 1 MiB frames fill the 2 MiB budget"
+    );
+    let (id, reply) = read_reply(&mut refused).expect("a connection error");
+    assert_eq!(id, wire::CONNECTION_ERROR_ID);
+    assert_eq!(err_kind(&reply), "Unavailable");
+    let status = rig.server.status().unwrap();
+    assert!(status.values["rpc_buffered_bytes"] <= 2 << 20);
+    // Small requests are still served while the budget is held.
+    let c = client(&rig.socket);
+    c.status().unwrap();
+    drop(held);
+    let deadline = Instant::now() + HANG_GUARD;
+    while rig.server.status().unwrap().values["rpc_buffered_bytes"] > 0 {
+        assert!(Instant::now() < deadline, "closed frames keep their bytes");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Issue 12, failure 4: a length prefix alone allocates nothing; a frame's
+/// buffer grows as its bytes arrive.
+#[test]
+fn a_frame_buffer_grows_only_as_its_bytes_arrive() {
+    let budget = wire::ByteBudget::new(64 << 20);
+    let mut buf = wire::FrameBuffer::new(&budget);
+    let mut bytes = (32u32 << 20).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&[7u8; 1000]);
+    let bounds = wire::FrameBounds {
+        max_frame: 64 << 20,
+        frame_timeout: Duration::from_secs(5),
+    };
+    let e = wire::read_frame_bounded(&mut &bytes[..], &bounds, &mut buf).unwrap_err();
+    assert!(
+        matches!(e, wire::FrameError::Truncated { got: 1004, .. }),
+        "{e:?}"
+    );
+    assert!(
+        budget.used() <= 128 << 10,
+        "{} bytes held for 1000 received",
+        budget.used()
+    );
+    drop(buf);
+    assert_eq!(budget.used(), 0);
 }

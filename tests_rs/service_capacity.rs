@@ -154,7 +154,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(46_000, 48), "prompt", 2);
     let b = standard(NS, &seq(47_000, 48), "prompt", 2);
-    let (_, one_generation) = expected_l2([&a]);
+    let (_, one_generation) = charged_l2([&a], dir.path());
     let capacity = one_generation + 700;
     let cfg = ServiceConfig {
         l2_bytes: Some(capacity),
@@ -191,7 +191,7 @@ fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(48_000, 48), "prompt", 2);
-    let (_, one_generation) = expected_l2([&a]);
+    let (_, one_generation) = charged_l2([&a], dir.path());
     let cfg = ServiceConfig {
         l2_bytes: Some(one_generation / 2),
         ..config("cap-l2-small", Some(&l2))

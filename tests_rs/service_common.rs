@@ -726,6 +726,22 @@ pub fn l2_files(root: &Path) -> (u64, u64) {
     (count, bytes)
 }
 
+/// What the L2 of a set of listed manifests takes on disk (count, bytes
+/// rounded up to the allocation unit of the filesystem holding `dir`), as
+/// `l2_objects` and `l2_bytes` report it.
+pub fn charged_l2<'a>(listed: impl IntoIterator<Item = &'a Manifest>, dir: &Path) -> (u64, u64) {
+    let unit = lmcache_rc_core::store::l2::allocation_unit(dir);
+    let mut union = BTreeMap::new();
+    for m in listed {
+        union.extend(key_sizes(m));
+    }
+    let bytes = union
+        .values()
+        .map(|&b| object_file_bytes(b).div_ceil(unit) * unit)
+        .sum();
+    (union.len() as u64, bytes)
+}
+
 /// The L2 files (count, bytes) a set of listed manifests needs.
 pub fn expected_l2<'a>(listed: impl IntoIterator<Item = &'a Manifest>) -> (u64, u64) {
     let mut union = BTreeMap::new();

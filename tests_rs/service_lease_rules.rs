@@ -16,7 +16,50 @@ both_ways!(
     finishing_twice_is_harmless_and_unknown_leases_are_answered_plainly,
     close_waits_for_exposed_leases_only_and_stops_admission,
     a_read_lease_survives_the_replacement_of_its_generation,
+    a_lease_finished_without_a_rank_needs_its_exact_unguessable_id,
 );
+
+/// Issue 12, item 9: `finish_store` without a rank skipped the lease-owner
+/// check, and lease ids were a shared salt plus a counter, so any caller
+/// could finish (publish or discard) another rank's lease by counting. Now
+/// a lease id carries a tag only the service can compute: a neighbour's id
+/// derived from one's own is not a lease, and a wrong rank is refused.
+fn a_lease_finished_without_a_rank_needs_its_exact_unguessable_id<T: Target>() {
+    let svc = T::open(config("acc-forge", None)).unwrap();
+    let m = standard(NS, &seq(83_500, 48), "prompt", 2);
+    assert!(svc.begin(&m).unwrap());
+    let mine = prepare(&svc, &m, 0);
+    let theirs = prepare(&svc, &m, 1);
+    let mine_id = mine.lease_id.clone().unwrap();
+    let theirs_id = theirs.lease_id.clone().unwrap();
+    // Guess rank 1's id from rank 0's: same tag, neighbouring number.
+    let n = u64::from_str_radix(&mine_id[..16], 16).unwrap();
+    for guess in [
+        format!("{:016x}{}", n + 1, &mine_id[16..]),
+        format!("{}{}", &mine_id[..16], &theirs_id[16..]),
+        format!("{:016x}{:016x}", n + 1, 0u64),
+    ] {
+        assert_ne!(guess, theirs_id);
+        assert!(
+            !svc.finish_store(&guess, false, None).unwrap(),
+            "{guess} is not a lease"
+        );
+    }
+    assert_eq!(stat(&svc, "store_leases"), 2, "no lease was ended");
+    // Naming a rank: another rank's lease is refused.
+    let e = svc.finish_store(&theirs_id, false, Some(0)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    fill(&svc, &m, 0, &mine);
+    fill(&svc, &m, 1, &theirs);
+    svc.finish_store(&mine_id, true, Some(0)).unwrap();
+    svc.finish_store(&theirs_id, true, None).unwrap();
+    for rank in 2..4 {
+        store_one(&svc, &m, rank);
+    }
+    assert!(is_listed(&svc, &m));
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
 
 fn rejected_lease_admission_aborts_only_the_new_generation<T: Target>() {
     let cfg = ServiceConfig {

@@ -324,3 +324,50 @@ fn an_abandoned_pending_generation_is_aborted_by_the_timer() {
     restore_all(&svc, &m);
     assert_idle(&svc);
 }
+
+// ---------------------------------------------------------------------------
+// Retrieve leases nobody polls
+
+#[test]
+fn an_unpolled_retrieve_lease_is_expired_and_its_readers_released_but_an_exposed_one_is_kept() {
+    let timeout = Duration::from_millis(100);
+    let svc = CheckpointService::open(ServiceConfig {
+        retrieve_timeout: timeout,
+        ..config("reclaim", None)
+    })
+    .unwrap();
+    let m = restoring();
+    store_all(&svc, &m);
+    // Rank 0 begins a restore and never polls it (a live holder that lost
+    // track of it); rank 1 polls until its slots are exposed and keeps them.
+    let forgotten = svc.begin_retrieve(&m, 0).unwrap();
+    let forgotten_id = forgotten.lease_id.clone().unwrap();
+    let kept = svc.begin_retrieve(&m, 1).unwrap();
+    let kept_id = kept.lease_id.clone().unwrap();
+    let t = Instant::now();
+    while svc.poll_retrieve(&kept_id, Some(1)).unwrap().status != LeaseStatus::Ready {
+        assert!(t.elapsed() < HANG_GUARD);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(stat(&svc, "retrieve_leases"), 2);
+    let t = Instant::now();
+    while stat(&svc, "retrieve_leases") > 1 {
+        assert!(
+            t.elapsed() < RECLAIM_BOUND,
+            "the unpolled lease was never expired"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(stat(&svc, "retrieves_expired"), 1);
+    // The forgotten lease is gone: polling it is an error the worker treats
+    // as a failed restore, never a stale slot.
+    assert!(svc.poll_retrieve(&forgotten_id, Some(0)).is_err());
+    // The exposed lease is untouched by the sweep (its copy may still read
+    // the slots) and finishes normally; then nothing is held.
+    std::thread::sleep(timeout * 4);
+    assert_eq!(stat(&svc, "retrieve_leases"), 1);
+    svc.finish_retrieve(&kept_id, Some(1)).unwrap();
+    assert_eq!(stat(&svc, "retrieves_expired"), 1);
+    restore_all(&svc, &m);
+    assert_idle(&svc);
+}

@@ -716,7 +716,7 @@ impl LeaseApi for Scripted {
             Step::Busy => given(Ok(LeaseAnswer::Lease(Lease::busy())), 0),
             Step::Pending => {
                 let id = match &call {
-                    LeaseCall::PollRetrieve { lease_id } => lease_id.clone(),
+                    LeaseCall::PollRetrieve { lease_id, .. } => lease_id.clone(),
                     _ => "scripted-pending".to_string(),
                 };
                 given(Ok(LeaseAnswer::Lease(Lease::pending(id))), 0)

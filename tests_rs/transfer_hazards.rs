@@ -186,7 +186,7 @@ impl LeaseApi for LatePendingPoll {
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         match call {
             LeaseCall::BeginRetrieve { .. } => after(Ok(pending("lookup")), 0),
-            LeaseCall::PollRetrieve { lease_id } => after(Ok(pending(&lease_id)), 1),
+            LeaseCall::PollRetrieve { lease_id, .. } => after(Ok(pending(&lease_id)), 1),
             LeaseCall::CancelRetrieve { .. } => after(
                 Err(Error::Unavailable("review: the cancel was lost".into())),
                 0,
@@ -339,4 +339,44 @@ fn a_backend_refuses_a_plan_outside_its_page_pool() {
         SHAPE.num_blocks
     );
     assert!(result.is_err(), "an out-of-bounds plan was accepted");
+}
+
+/// Issue 12, item 9: two unfinished jobs of one engine never copy into the
+/// same page-pool rows. A retrieve may not write rows another job reads or
+/// writes, a store may not read rows a retrieve writes; disjoint rows are
+/// fine, and the rows are free again once the job ended.
+#[test]
+fn an_engine_refuses_a_job_whose_rows_an_unfinished_job_writes() {
+    let (svc, api) = scripted_service("rev-row-clash");
+    let m = tgen(33_000, 40, 1);
+    store_all(&svc, &m);
+    // The first retrieve's lookup stays pending: it is unfinished meanwhile.
+    api.always("poll_retrieve", Step::Pending);
+    let worker = Worker::scripted(&api, Duration::from_secs(2));
+    let rows = blocks(&m, 1);
+    let first = worker.submit(job(&m, 0, Direction::Retrieve, &rows));
+
+    let e = worker
+        .engine
+        .submit(job(&m, 0, Direction::Retrieve, &rows))
+        .err()
+        .expect("a second retrieve into the same rows is refused");
+    assert_eq!(e.kind(), lmcache_rc_core::ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("being written"), "{e}");
+    let e = worker
+        .engine
+        .submit(job(&m, 0, Direction::Store, &rows))
+        .err()
+        .expect("a store reading rows a retrieve writes is refused");
+    assert!(e.to_string().contains("being written"), "{e}");
+    // Rows of no unfinished job are fine.
+    let other = worker.submit(job(&m, 0, Direction::Retrieve, &blocks(&m, 32)));
+
+    api.reset();
+    let _ = done(&first);
+    let _ = done(&other);
+    // Ended: the rows are free again.
+    let again = worker.run(job(&m, 0, Direction::Retrieve, &rows));
+    assert_eq!(again.kind, "copied", "{again:?}");
+    check_rows(&worker.pool, &m, 0, &rows);
 }

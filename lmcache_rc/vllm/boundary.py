@@ -52,6 +52,7 @@ from lmcache_rc.vllm.common import (
     check_rank,
     handles,
     poll_find,
+    recurrent_boundaries,
 )
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
@@ -567,7 +568,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         boundaries: list[tuple[int, str]] = []
         for g, pos in enumerate(positions):
             if self._recurrent[g]:
-                boundaries.extend((n, f"recurrent:{g}") for _ in pos)
+                boundaries.extend(recurrent_boundaries(n, g, pos))
             else:
                 size = self._block_sizes[g]
                 boundaries.extend((min((p + 1) * size, n), f"attention:{g}") for p in pos)

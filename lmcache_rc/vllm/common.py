@@ -19,7 +19,7 @@ import html
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -38,6 +38,7 @@ __all__ = [
     "check_rank",
     "handles",
     "poll_find",
+    "recurrent_boundaries",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,21 @@ class RestorePhase(enum.StrEnum):
 def canonical(value: Any) -> bytes:
     """Sorted-key, compact JSON: the form manifests carry layouts in."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def recurrent_boundaries(
+    num_tokens: int, group: int, positions: Sequence[int]
+) -> list[tuple[int, str]]:
+    """Content-key boundaries of a recurrent group's pages at ``num_tokens``.
+
+    One position (the usual case) keeps the discriminator ``recurrent:<g>``;
+    several positions each get their own, ``recurrent:<g>:<position>``: with
+    one key for all of them only one page would be stored and no restore could
+    place them all (the service refuses such payloads at begin).
+    """
+    if len(positions) == 1:
+        return [(num_tokens, f"recurrent:{group}")]
+    return [(num_tokens, f"recurrent:{group}:{int(p)}") for p in positions]
 
 
 def check_rank(rank: Any, world_size: int) -> None:

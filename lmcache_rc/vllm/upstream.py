@@ -60,6 +60,7 @@ from lmcache_rc.vllm.common import (
     check_found_prefix,
     handles,
     poll_find,
+    recurrent_boundaries,
 )
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
@@ -450,7 +451,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         boundaries: list[tuple[int, str]] = []
         for info in self._groups:
             if info.kind == "recurrent":
-                boundaries.append((n, f"recurrent:{info.index}"))
+                boundaries.extend(recurrent_boundaries(n, info.index, info.positions(n)))
             else:
                 boundaries.extend(
                     (min((p + 1) * info.block_size, n), f"attention:{info.index}")

@@ -306,6 +306,9 @@ sidecar_config! {
     max_entries: Count = ServiceConfig::default().max_entries;
     /// Most generations pending publication at once.
     max_pending: Count = ServiceConfig::default().max_pending;
+    /// Most bytes the manifests of pending generations hold in memory at
+    /// once (a manifest may be 16 MiB); `begin` answers false beyond it.
+    max_pending_bytes: Bytes = ServiceConfig::default().max_pending_bytes;
     /// Most live worker leases (store + retrieve).
     max_leases: Count = ServiceConfig::default().max_leases as u64;
     /// How long a store waits for L1 space before missing.
@@ -319,8 +322,17 @@ sidecar_config! {
     l2_io_threads: Count = ServiceConfig::default().l2_io_threads as u64;
     /// How long a stopping server lets live leases finish.
     drain_timeout: Seconds = rpc::ServerConfig::new("").drain_timeout;
-    /// Most RPC connections served at once (more are refused).
+    /// Most RPC connections served at once (more are refused); lowered at
+    /// start to what the open-file limit allows beside 256 descriptors kept
+    /// for L2 and the directory.
     max_connections: Count = rpc::ServerConfig::new("").max_connections as u64;
+    /// A request frame that started arriving must arrive whole within this
+    /// time, or its connection is closed (idle connections are kept).
+    rpc_frame_timeout: Seconds = rpc::ServerConfig::new("").frame_timeout;
+    /// Bytes of incoming request frames buffered across all RPC connections;
+    /// a frame beyond it closes its connection (at least the 64 MiB frame
+    /// limit).
+    rpc_max_buffered_bytes: Bytes = rpc::ServerConfig::new("").max_buffered_bytes as u64;
 }
 
 /// The prefix of the environment variables that set a sidecar's settings.
@@ -370,6 +382,16 @@ impl SidecarConfig {
 
     /// Refuses settings no server could start with.
     fn validate(&self) -> Result<()> {
+        if self.rpc_frame_timeout.is_zero() {
+            return Err(Error::invalid("rpc_frame_timeout must be positive"));
+        }
+        if self.rpc_max_buffered_bytes < rpc::wire::DEFAULT_MAX_FRAME as u64 {
+            return Err(Error::invalid(format!(
+                "rpc_max_buffered_bytes must be at least the {}-byte frame limit, got {}",
+                rpc::wire::DEFAULT_MAX_FRAME,
+                self.rpc_max_buffered_bytes
+            )));
+        }
         if self.l1_bytes == 0 || self.l1_bytes % 4096 != 0 {
             return Err(Error::invalid(format!(
                 "l1_bytes must be a positive multiple of 4096, got {}",
@@ -408,6 +430,7 @@ impl SidecarConfig {
             checkpoint_index_path: self.checkpoint_index_path.clone(),
             max_entries: self.max_entries,
             max_pending: self.max_pending,
+            max_pending_bytes: self.max_pending_bytes,
             max_leases: usize_of("max_leases", self.max_leases)?,
             store_admission_timeout: self.store_admission_timeout,
             retrieve_timeout: self.retrieve_timeout,
@@ -438,6 +461,9 @@ impl SidecarConfig {
         };
         server.drain_timeout = self.drain_timeout;
         server.max_connections = usize_of("max_connections", self.max_connections)?;
+        server.frame_timeout = self.rpc_frame_timeout;
+        server.max_buffered_bytes =
+            usize_of("rpc_max_buffered_bytes", self.rpc_max_buffered_bytes)?;
         Ok((service, server))
     }
 

@@ -216,6 +216,28 @@ const L2_QUEUED: Family = gauge(
     "l2_queued_objects",
     "Objects waiting for their L2 write (0: every listed checkpoint is durable)",
 );
+const PENDING_MANIFEST: Family = bytes(gauge(
+    "pending_manifest",
+    "Bytes of the manifests of pending generations held in memory (bounded by max_pending_bytes)",
+));
+const STORES_REFUSED: Family = gauge(
+    "stores_refused",
+    "1 while stores are refused because the disk is full (the directory is read-only, or a \
+     write failed for lack of space), else 0",
+);
+const L2_RETRIES_WAITING: Family = gauge(
+    "l2_write_retries_waiting",
+    "Failed L2 writes waiting for their next attempt (their pages stay pinned in L1)",
+);
+const RPC_MAX_CONNECTIONS: Family = gauge(
+    "rpc_max_connections",
+    "Most RPC connections served at once (lowered at start to what the open-file limit allows)",
+);
+const RPC_BUFFERED: Family = bytes(gauge(
+    "rpc_buffered",
+    "Bytes of unfinished request frames buffered across RPC connections \
+     (bounded by rpc_max_buffered_bytes)",
+));
 const RPC_CONNECTIONS: Family = gauge(
     "rpc_connections",
     "Worker and client connections open on the RPC socket",
@@ -236,8 +258,9 @@ const BEGINS_REFUSED: Family = by(
     counter(
         "begins_refused",
         "Store begins refused, by reason: draining (an aborted attempt at the generation \
-         still drains) or suppressed (the generation is pending or listed already, or \
-         the directory has no room)",
+         still drains), suppressed (the generation is pending or listed already, or the \
+         directory has no room), pending_bytes (pending manifests hold max_pending_bytes) \
+         or no_space (the disk is full)",
     ),
     "reason",
 );
@@ -318,11 +341,20 @@ const RETRIEVES_CANCELLED: Family = counter(
     "retrieves_cancelled",
     "Retrieves cancelled by the worker before any slot was exposed",
 );
+const RETRIEVES_EXPIRED: Family = counter(
+    "retrieves_expired",
+    "Retrieve leases whose holder stopped polling before any slot was exposed, ended by the \
+     sweep after twice retrieve_timeout",
+);
+const L2_WRITE_RETRIES: Family = counter(
+    "l2_write_retries",
+    "Failed L2 writes scheduled for another attempt",
+);
 const L2_ERRORS: Family = by(
     counter(
         "l2_errors",
         "L2 failures by kind: corrupt_or_missing (a read proved a page lost: its file is \
-         missing or fails its checksum) or write (an object file could not be written)",
+         missing or fails its checksum) or write (an attempt to write an object file failed)",
     ),
     "kind",
 );
@@ -364,6 +396,15 @@ const RPC_PROTOCOL_ERRORS: Family = counter(
     "rpc_protocol_errors",
     "RPC frames or messages refused as malformed (the connection is closed)",
 );
+const RPC_FRAMES_REFUSED: Family = by(
+    counter(
+        "rpc_frames_refused",
+        "RPC connections closed over a request frame, by reason: timed_out (a started frame \
+         did not arrive whole within rpc_frame_timeout) or over_budget (it would exceed \
+         rpc_max_buffered_bytes)",
+    ),
+    "reason",
+);
 
 /// Every family in exposition order.
 pub const FAMILIES: &[Family] = &[
@@ -376,6 +417,9 @@ pub const FAMILIES: &[Family] = &[
     TIER_USED,
     TIER_CAPACITY,
     L2_QUEUED,
+    L2_RETRIES_WAITING,
+    PENDING_MANIFEST,
+    STORES_REFUSED,
     L2_WRITTEN,
     LOOKUPS,
     RETRIEVE_HITS,
@@ -398,16 +442,21 @@ pub const FAMILIES: &[Family] = &[
     L2_LOADS,
     RETRIEVE_CAPACITY_WAITS,
     RETRIEVES_CANCELLED,
+    RETRIEVES_EXPIRED,
     L2_ERRORS,
+    L2_WRITE_RETRIES,
     L2_SKIPPED,
     RECLAIMED_OBJECTS,
     RESTART_RETIRED,
     CLEARS,
     RECLAIMED_LEASES,
     RPC_CONNECTIONS,
+    RPC_MAX_CONNECTIONS,
+    RPC_BUFFERED,
     RPC_ACCEPTED,
     RPC_REQUESTS,
     RPC_PROTOCOL_ERRORS,
+    RPC_FRAMES_REFUSED,
 ];
 
 /// A status value's place: its family and its label value (None for a
@@ -421,6 +470,8 @@ pub fn counter_series(counter: Counter) -> Placement {
         Counter::FindMisses => (LOOKUPS, Some("miss")),
         Counter::BeginDraining => (BEGINS_REFUSED, Some("draining")),
         Counter::BeginSuppressed => (BEGINS_REFUSED, Some("suppressed")),
+        Counter::BeginRefusedPendingBytes => (BEGINS_REFUSED, Some("pending_bytes")),
+        Counter::BeginRefusedNoSpace => (BEGINS_REFUSED, Some("no_space")),
         Counter::AbandonedGenerations => (ABANDONED, None),
         Counter::StorePagesReused => (STORE_PAGES, Some("reused")),
         Counter::StorePagesNew => (STORE_PAGES, Some("written")),
@@ -441,8 +492,10 @@ pub fn counter_series(counter: Counter) -> Placement {
         Counter::L2Loads => (L2_LOADS, None),
         Counter::RetrieveCapacityWaits => (RETRIEVE_CAPACITY_WAITS, None),
         Counter::RetrievesCancelled => (RETRIEVES_CANCELLED, None),
+        Counter::RetrievesExpired => (RETRIEVES_EXPIRED, None),
         Counter::L2CorruptOrMissing => (L2_ERRORS, Some("corrupt_or_missing")),
         Counter::L2WriteErrors => (L2_ERRORS, Some("write")),
+        Counter::L2WriteRetries => (L2_WRITE_RETRIES, None),
         Counter::L2SkippedFull => (L2_SKIPPED, None),
         Counter::ReclaimedObjects => (RECLAIMED_OBJECTS, None),
         Counter::RestartRetired => (RESTART_RETIRED, None),
@@ -472,11 +525,18 @@ pub fn series_of(key: &str) -> Option<Placement> {
         "l1_capacity" => (TIER_CAPACITY, Some("L1")),
         "l2_capacity" => (TIER_CAPACITY, Some("L2")),
         "l2_queue" => (L2_QUEUED, None),
+        "l2_write_retrying" => (L2_RETRIES_WAITING, None),
+        "pending_bytes" => (PENDING_MANIFEST, None),
+        "stores_refused" => (STORES_REFUSED, None),
         "l2_bytes_written" => (L2_WRITTEN, None),
         "rpc_connections" => (RPC_CONNECTIONS, None),
         "rpc_connections_total" => (RPC_ACCEPTED, None),
         "rpc_requests" => (RPC_REQUESTS, None),
         "rpc_protocol_errors" => (RPC_PROTOCOL_ERRORS, None),
+        "rpc_max_connections" => (RPC_MAX_CONNECTIONS, None),
+        "rpc_buffered_bytes" => (RPC_BUFFERED, None),
+        "rpc_frames_timed_out" => (RPC_FRAMES_REFUSED, Some("timed_out")),
+        "rpc_frames_over_budget" => (RPC_FRAMES_REFUSED, Some("over_budget")),
         _ => return None,
     })
 }
@@ -663,11 +723,18 @@ mod tests {
             "l1_capacity",
             "l2_capacity",
             "l2_queue",
+            "l2_write_retrying",
+            "pending_bytes",
+            "stores_refused",
             "l2_bytes_written",
             "rpc_connections",
             "rpc_connections_total",
             "rpc_requests",
             "rpc_protocol_errors",
+            "rpc_max_connections",
+            "rpc_buffered_bytes",
+            "rpc_frames_timed_out",
+            "rpc_frames_over_budget",
         ]);
         let mut seen = HashSet::new();
         for key in keys {

@@ -121,7 +121,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::identity::{Prefix, TokenRoots};
 use crate::manifest::Manifest;
 
@@ -385,6 +385,10 @@ struct Inner {
     evictions: u64,
     invalid_rows: u64,
     publish_transactions: u64,
+    /// Why the file is open read-only (a full disk), if it is.
+    read_only: Option<String>,
+    /// The file's directory id (None in memory).
+    instance_id: Option<String>,
     /// Numbers write commits and makes them durable (file mode only).
     syncer: Option<Arc<Syncer>>,
     background: Arc<Background>,
@@ -514,6 +518,16 @@ fn check_one_namespace(queries: &[Query<'_>]) -> Result<()> {
     Ok(())
 }
 
+/// Opens the file for writing and reconciles its tables (the normal open).
+fn open_writable(
+    path: Option<&Path>,
+    config: &DirectoryConfig,
+) -> Result<(Connection, schema::Reconciled)> {
+    let mut conn = schema::open_connection(path)?;
+    let report = schema::reconcile(&mut conn, config.tail_hash_hook, path.is_some())?;
+    Ok((conn, report))
+}
+
 fn to_u32_len(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
@@ -527,8 +541,31 @@ impl Directory {
     /// [`Error::UnsupportedFormat`] and left untouched.
     pub fn open(path: Option<&Path>, config: DirectoryConfig) -> Result<Directory> {
         config.validate()?;
-        let mut conn = schema::open_connection(path)?;
-        let report = schema::reconcile(&mut conn, config.tail_hash_hook)?;
+        let (conn, report, read_only) = match open_writable(path, &config) {
+            Ok((conn, report)) => (conn, report, None),
+            // A full disk: serve what is durable, read-only (writes wait
+            // for `reopen_writable`).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Database | ErrorKind::Io | ErrorKind::OutOfSpace
+                ) && path.is_some_and(schema::disk_full) =>
+            {
+                let p = path.unwrap_or(Path::new(""));
+                let conn = schema::open_read_only(p)?;
+                let why = format!(
+                    "the disk holding the checkpoint index {} is full ({e})",
+                    p.display()
+                );
+                log::warn!("{why}: the directory is open read-only until space returns");
+                (conn, schema::Reconciled::default(), Some(why))
+            }
+            Err(e) => return Err(e),
+        };
+        let instance_id = match path {
+            Some(_) => schema::directory_id(&conn)?,
+            None => None,
+        };
         if report.dangling_tails + report.backfilled_tails + report.migrated_tails > 0 {
             // A migration can leave a large write-ahead log behind; fold it
             // into the database now rather than during the first publications.
@@ -562,7 +599,12 @@ impl Directory {
         })?;
         let interval = config.recency_flush_interval;
         let syncer = path.map(|p| Arc::new(Syncer::new(p)));
-        let checkpointer = path.map(schema::open_checkpointer).transpose()?;
+        // A read-only directory (full disk) starts its background thread
+        // once it is writable again (`reopen_writable`).
+        let checkpointer = match path {
+            Some(p) if read_only.is_none() => Some(schema::open_checkpointer(p)?),
+            _ => None,
+        };
         let background = Arc::new(Background::default());
         let inner = Inner {
             conn: Some(conn),
@@ -583,6 +625,8 @@ impl Directory {
             next_ticket: 0,
             publishing: false,
             outcomes: Map::default(),
+            read_only,
+            instance_id,
         };
         let shared = Arc::new(Shared {
             inner: Mutex::new(inner),
@@ -590,15 +634,12 @@ impl Directory {
             published: Condvar::new(),
         });
         let flusher = match (checkpointer, &syncer) {
-            (Some(checkpointer), Some(syncer)) => {
-                let weak = Arc::downgrade(&shared);
-                let syncer = syncer.clone();
-                let handle = std::thread::Builder::new()
-                    .name("lmcache-rc-directory".into())
-                    .spawn(move || run_background(weak, interval, checkpointer, syncer))
-                    .map_err(|e| Error::io("start the directory's background thread", e))?;
-                Some(handle)
-            }
+            (Some(checkpointer), Some(syncer)) => Some(start_background(
+                &shared,
+                interval,
+                checkpointer,
+                syncer.clone(),
+            )?),
             _ => None,
         };
         Ok(Directory {
@@ -607,6 +648,57 @@ impl Directory {
             path: path.map(Path::to_path_buf),
             syncer,
         })
+    }
+
+    /// The id of a durable directory (written at its creation, the same
+    /// for its whole life; L2 directories are bound to it); None for an
+    /// in-memory directory.
+    pub fn instance_id(&self) -> Option<String> {
+        self.shared.inner.lock().instance_id.clone()
+    }
+
+    /// Why the directory is read-only (it was opened on a full disk), or
+    /// None when it is writable.
+    pub fn read_only(&self) -> Option<String> {
+        self.shared.inner.lock().read_only.clone()
+    }
+
+    /// Tries to reopen a read-only directory for writing (space returned);
+    /// true when it is writable now and was not before. Recency stamps
+    /// gathered meanwhile are written then.
+    pub fn reopen_writable(&self) -> Result<bool> {
+        let mut inner = self.shared.inner.lock();
+        if inner.read_only.is_none() || inner.conn.is_none() {
+            return Ok(false);
+        }
+        let Some(path) = self.path.as_deref() else {
+            return Ok(false);
+        };
+        let (conn, _) = open_writable(Some(path), &inner.config)?;
+        let id = schema::directory_id(&conn)?;
+        if let Some(old) = inner.conn.replace(conn) {
+            let _ = old.close();
+        }
+        inner.read_only = None;
+        inner.instance_id = id;
+        if let Err(e) = inner.flush_recency() {
+            log::warn!("checkpoint directory: recency flush failed (will retry): {e}");
+        }
+        let interval = inner.config.recency_flush_interval;
+        drop(inner);
+        let mut flusher = self.flusher.lock();
+        if flusher.is_none()
+            && let Some(syncer) = &self.syncer
+        {
+            let checkpointer = schema::open_checkpointer(path)?;
+            *flusher = Some(start_background(
+                &self.shared,
+                interval,
+                checkpointer,
+                syncer.clone(),
+            )?);
+        }
+        Ok(true)
     }
 
     /// The database file, or `None` for an in-memory directory.
@@ -636,6 +728,12 @@ impl Directory {
         let payload_bytes = manifest_payload_bytes(manifest);
         let mut guard = self.lock()?;
         let inner = &mut *guard;
+        if let Some(why) = &inner.read_only {
+            return Err(Error::OutOfSpace(format!(
+                "{why}: the directory is read-only, so nothing can be published until space \
+                 returns"
+            )));
+        }
         if let Some(p) = inner.pending.get(manifest.generation()) {
             return if p.manifest == *manifest {
                 Ok(false)
@@ -1121,6 +1219,21 @@ impl Drop for Directory {
 ///
 /// Its connection closes last, so SQLite folds the log into the database and
 /// removes it at close.
+/// Starts the background thread of a file directory (recency flushes,
+/// passive checkpoints, durable-flag syncs).
+fn start_background(
+    shared: &Arc<Shared>,
+    interval: Duration,
+    checkpointer: Connection,
+    syncer: Arc<Syncer>,
+) -> Result<JoinHandle<()>> {
+    let weak = Arc::downgrade(shared);
+    std::thread::Builder::new()
+        .name("lmcache-rc-directory".into())
+        .spawn(move || run_background(weak, interval, checkpointer, syncer))
+        .map_err(|e| Error::io("start the directory's background thread", e))
+}
+
 fn run_background(
     shared: Weak<Shared>,
     interval: Duration,
@@ -1639,6 +1752,9 @@ impl Inner {
 
     /// Writes dirty stamps when a batch is full or the oldest is due.
     fn maybe_flush(&mut self) {
+        if self.read_only.is_some() {
+            return; // kept until the directory is writable again
+        }
         let due = match self.dirty_since {
             None => false,
             Some(since) => {
@@ -1673,7 +1789,7 @@ impl Inner {
 
     /// Writes every dirty stamp in one transaction.
     fn flush_recency(&mut self) -> Result<usize> {
-        if self.dirty.is_empty() {
+        if self.dirty.is_empty() || self.read_only.is_some() {
             self.dirty_since = None;
             return Ok(0);
         }

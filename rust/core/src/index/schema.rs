@@ -225,31 +225,129 @@ pub(super) fn describe(path: Option<&Path>) -> String {
     }
 }
 
-/// Log pages past which the main connection checkpoints by itself (the
-/// background thread normally checkpoints long before: about 2,000 pages).
-const AUTOCHECKPOINT_PAGES: u32 = 16_384;
-/// Size the write-ahead log file is cut back to when SQLite restarts it.
-const JOURNAL_SIZE_LIMIT: u64 = 64 << 20;
+/// The setting that names the index file (messages).
+const INDEX_FLAG: &str = "--checkpoint-index-path";
 
-/// Opens the connection, refuses unknown formats and sets the journal.
-pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
-    let name = describe(path);
-    let conn = match path {
-        Some(p) => {
-            check_header(p)?;
-            Connection::open(p).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?
+/// Refuses an index file (or its WAL/shared-memory/journal companions)
+/// reached through a symbolic link or owned by another user, and creates a
+/// missing database file with mode 0600 whatever the umask (SQLite gives its
+/// companions the database file's mode). With `narrow`, existing files with
+/// a wider mode are narrowed to 0600 (only once the file is known to be a
+/// checkpoint directory).
+fn private_files(path: &Path, narrow: bool) -> Result<()> {
+    use crate::private::{Kind, check_owned, create_private_file};
+    for suffix in ["-wal", "-shm", "-journal"] {
+        let mut companion = path.as_os_str().to_owned();
+        companion.push(suffix);
+        check_owned(
+            Path::new(&companion),
+            Kind::File,
+            "checkpoint index file",
+            INDEX_FLAG,
+            narrow,
+        )?;
+    }
+    if narrow {
+        return create_private_file(path, "checkpoint index", INDEX_FLAG);
+    }
+    if !check_owned(path, Kind::File, "checkpoint index", INDEX_FLAG, false)? {
+        create_private_file(path, "checkpoint index", INDEX_FLAG)?;
+    }
+    Ok(())
+}
+
+/// Refuses a SQLite database that is not a checkpoint directory (another
+/// application's file): it may be empty, or hold the `checkpoints` table
+/// with its columns and no table lmcache-rc does not know. Reads only.
+fn check_is_checkpoint_directory(conn: &Connection, name: &str) -> Result<()> {
+    let mut tables = Vec::new();
+    {
+        let mut stmt = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+            .db()?;
+        let mut rows = stmt.query([]).db()?;
+        while let Some(row) = rows.next().db()? {
+            tables.push(row.get::<_, String>(0).db()?);
         }
-        None => Connection::open_in_memory().db()?,
+    }
+    let known = |t: &str| {
+        matches!(t, "checkpoints" | "checkpoint_tails" | META_TABLE) || t.starts_with("sqlite_")
     };
-    let not_db = |e: rusqlite::Error| match e.sqlite_error_code() {
+    let foreign: Vec<&str> = tables
+        .iter()
+        .map(String::as_str)
+        .filter(|t| !known(t))
+        .collect();
+    let not_ours = |why: String| {
+        Error::UnsupportedFormat(format!(
+            "{name} is not a checkpoint directory ({why}); it was left untouched: pass the \
+             index of a sidecar, or a new file, to {INDEX_FLAG}"
+        ))
+    };
+    if !foreign.is_empty() {
+        return Err(not_ours(format!(
+            "it holds tables lmcache-rc does not know: {}",
+            foreign.join(", ")
+        )));
+    }
+    if tables.iter().any(|t| !t.starts_with("sqlite_"))
+        && !tables.iter().any(|t| t == "checkpoints")
+    {
+        return Err(not_ours("it has no checkpoints table".into()));
+    }
+    if tables.iter().any(|t| t == "checkpoints") {
+        let mut columns = Vec::new();
+        let mut stmt = conn.prepare("PRAGMA table_info(checkpoints)").db()?;
+        let mut rows = stmt.query([]).db()?;
+        while let Some(row) = rows.next().db()? {
+            columns.push(row.get::<_, String>(1).db()?.to_ascii_lowercase());
+        }
+        let missing: Vec<&str> = CHECKPOINT_COLUMNS
+            .iter()
+            .copied()
+            .filter(|c| !columns.iter().any(|have| have == c))
+            .collect();
+        if !missing.is_empty() {
+            return Err(not_ours(format!(
+                "its checkpoints table lacks the columns {}",
+                missing.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Columns every checkpoint directory's `checkpoints` table has.
+const CHECKPOINT_COLUMNS: [&str; 9] = [
+    "namespace",
+    "start_tokens",
+    "prefix_hash",
+    "tail",
+    "num_tokens",
+    "generation",
+    "world_size",
+    "payload",
+    "access_order",
+];
+
+/// lmcache-rc's own metadata (the directory id L2 directories bind to).
+const META_TABLE: &str = "lmcache_rc_meta";
+
+/// Maps an open-time SQLite failure: "not a database" is a format error.
+fn open_error(name: &str) -> impl Fn(rusqlite::Error) -> Error + '_ {
+    move |e: rusqlite::Error| match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::NotADatabase) => Error::UnsupportedFormat(format!(
             "checkpoint directory {name} is not a SQLite database or is corrupt: {e}"
         )),
         _ => Error::Database(format!("{name}: {e}")),
-    };
+    }
+}
+
+/// Reads the format version and refuses newer ones and foreign files.
+fn check_version(conn: &Connection, name: &str) -> Result<i64> {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .map_err(not_db)?;
+        .map_err(open_error(name))?;
     if !(0..=FORMAT_VERSION).contains(&version) {
         return Err(Error::UnsupportedFormat(format!(
             "unsupported checkpoint directory schema {version} in {name}: this build reads \
@@ -257,10 +355,37 @@ pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
              it was left untouched)"
         )));
     }
+    check_is_checkpoint_directory(conn, name)?;
+    Ok(version)
+}
+
+/// Log pages past which the main connection checkpoints by itself (the
+/// background thread normally checkpoints long before: about 2,000 pages).
+const AUTOCHECKPOINT_PAGES: u32 = 16_384;
+/// Size the write-ahead log file is cut back to when SQLite restarts it.
+const JOURNAL_SIZE_LIMIT: u64 = 64 << 20;
+
+/// Opens the connection, refuses unknown formats and foreign files, and
+/// sets the journal.
+pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
+    let name = describe(path);
+    let conn = match path {
+        Some(p) => {
+            check_header(p)?;
+            private_files(p, false)?;
+            Connection::open(p).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?
+        }
+        None => Connection::open_in_memory().db()?,
+    };
+    let not_db = open_error(&name);
+    check_version(&conn, &name)?;
+    if let Some(p) = path {
+        private_files(p, true)?;
+    }
     if path.is_some() {
         let mode: String = conn
             .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
-            .map_err(not_db)?;
+            .map_err(&not_db)?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(Error::Database(format!(
                 "{name}: cannot switch to WAL journal (got {mode})"
@@ -279,7 +404,7 @@ pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
          PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}; \
          PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}"
     ))
-    .map_err(not_db)?;
+    .map_err(&not_db)?;
     conn.busy_timeout(std::time::Duration::from_secs(10)).db()?;
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
@@ -307,6 +432,10 @@ CREATE TABLE IF NOT EXISTS checkpoint_tails (
     tail_len INTEGER,
     payload_bytes INTEGER NOT NULL DEFAULT 0,
     durable INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS lmcache_rc_meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
 );
 ";
 
@@ -359,7 +488,12 @@ fn derived(
 
 /// Creates missing tables, columns and indexes, reconciles `checkpoint_tails`
 /// with `checkpoints` and sets the format version, in one transaction.
-pub(super) fn reconcile(conn: &mut Connection, hook: Option<fn(u64) -> u64>) -> Result<Reconciled> {
+/// `with_id`: a file's directory gets its id (see [`directory_id`]) here.
+pub(super) fn reconcile(
+    conn: &mut Connection,
+    hook: Option<fn(u64) -> u64>,
+    with_id: bool,
+) -> Result<Reconciled> {
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
         .db()?;
@@ -467,6 +601,13 @@ pub(super) fn reconcile(conn: &mut Connection, hook: Option<fn(u64) -> u64>) -> 
         }
     }
     tx.execute_batch(CREATE_INDEXES).db()?;
+    if with_id {
+        tx.execute(
+            "INSERT OR IGNORE INTO lmcache_rc_meta (key, value) VALUES ('directory_id', ?1)",
+            params![crate::private::random_id()?],
+        )
+        .db()?;
+    }
     let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).db()?;
     if version != FORMAT_VERSION {
         tx.execute_batch(&format!("PRAGMA user_version = {FORMAT_VERSION}"))
@@ -474,6 +615,103 @@ pub(super) fn reconcile(conn: &mut Connection, hook: Option<fn(u64) -> u64>) -> 
     }
     tx.commit().db()?;
     Ok(report)
+}
+
+/// The directory's id (written when the file was created or first opened
+/// by a build that knows ids); None when it has none.
+pub(super) fn directory_id(conn: &Connection) -> Result<Option<String>> {
+    let has_table: bool = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            params![META_TABLE],
+            |r| r.get::<_, i64>(0),
+        )
+        .db()?
+        > 0;
+    if !has_table {
+        return Ok(None);
+    }
+    conn.query_row(
+        "SELECT value FROM lmcache_rc_meta WHERE key = 'directory_id'",
+        [],
+        |r| r.get(0),
+    )
+    .optional()
+    .db()
+}
+
+/// Whether the filesystem holding `path` is full (less than 1 MiB free for
+/// this user): then a failed open is retried read-only.
+pub(super) fn disk_full(path: &Path) -> bool {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    match rustix::fs::statvfs(dir) {
+        Ok(v) => v.f_bavail.saturating_mul(v.f_frsize.max(1)) < 1 << 20,
+        Err(_) => false,
+    }
+}
+
+/// A `file:` URI for `path` (query and fragment characters escaped).
+fn file_uri(path: &Path, query: &str) -> Result<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let absolute = std::path::absolute(path)
+        .map_err(|e| Error::io(format!("resolve {}", path.display()), e))?;
+    let mut uri = String::from("file:");
+    for &b in absolute.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"/-._~".contains(&b) {
+            uri.push(b as char);
+        } else {
+            uri.push_str(&format!("%{b:02X}"));
+        }
+    }
+    uri.push('?');
+    uri.push_str(query);
+    Ok(uri)
+}
+
+/// Opens an existing, current directory file read-only without writing a
+/// byte (no WAL index is created): for a disk too full to open it normally.
+/// The file's write-ahead log must be empty (a clean stop merged it), since
+/// such an open reads the database file alone; otherwise, or when the file
+/// needs an upgrade, it is refused with a message saying to free space.
+pub(super) fn open_read_only(path: &Path) -> Result<Connection> {
+    use rusqlite::OpenFlags;
+    let name = describe(Some(path));
+    check_header(path)?;
+    private_files(path, false)?;
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    let wal_bytes = std::fs::metadata(Path::new(&wal)).map_or(0, |m| m.len());
+    if wal_bytes > 0 {
+        return Err(Error::OutOfSpace(format!(
+            "the disk holding {name} is full and its write-ahead log holds {wal_bytes} bytes \
+             of commits not yet merged; free some space to start"
+        )));
+    }
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(file_uri(path, "mode=ro&immutable=1")?, flags)
+        .map_err(|e| Error::Database(format!("cannot open {name} read-only: {e}")))?;
+    let version = check_version(&conn, &name)?;
+    let current: bool = conn
+        .query_row(
+            "SELECT count(*) FROM pragma_table_info('checkpoint_tails') WHERE name = 'durable'",
+            [],
+            |r| r.get::<_, i64>(0),
+        )
+        .db()?
+        > 0;
+    if version != FORMAT_VERSION || !current {
+        return Err(Error::OutOfSpace(format!(
+            "the disk holding {name} is full and the directory (schema {version}) needs an \
+             upgrade before it can be served; free some space to start"
+        )));
+    }
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
 }
 
 /// Opens the background thread's connection to a file already opened (and

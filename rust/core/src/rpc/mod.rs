@@ -30,6 +30,17 @@
 //! read: the server answers it with a connection-level error (below) and
 //! closes the connection.
 //!
+//! The server bounds what a peer can hold (`ServerConfig`): a frame that
+//! started arriving must arrive whole within `frame_timeout` (a connection
+//! idle between frames is never timed out); a frame's buffer grows as its
+//! bytes arrive, never by what `len` claims; and the bytes of unfinished
+//! frames across all connections beyond the first 64 KiB of each are
+//! bounded by `max_buffered_bytes`. A frame past either bound gets a
+//! connection-level error (`Protocol` for the timeout, `Unavailable` for
+//! the budget) and its connection is closed. Connections are capped by
+//! `max_connections`, lowered at start to what the open-file limit allows
+//! beside the descriptors kept for L2 and SQLite ([`crate::limits`]).
+//!
 //! # Handshake
 //!
 //! The first frame each way is fixed binary (never postcard, so every future

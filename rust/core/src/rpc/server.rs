@@ -58,8 +58,10 @@ const ACCEPT_POLL: Duration = Duration::from_millis(100);
 /// Most `prepare_store` calls running on threads of their own at once
 /// (beyond it they run on the connection's thread).
 const MAX_OFFLOADED: usize = 256;
-/// A connection's read buffer is released after a frame larger than this.
-const KEEP_BUFFER: usize = 1 << 20;
+/// A connection's frame buffer is released after a frame larger than this.
+const KEEP_BUFFER: usize = 64 << 10;
+/// Bytes of a connection's socket read buffer.
+const READ_BUFFER: usize = 16 << 10;
 /// How long a closed connection's process may take to be reported gone
 /// (it closes its sockets just before it exits) for its leases to be
 /// reclaimed at once; later, the service's sweep reclaims them.
@@ -74,7 +76,17 @@ pub struct ServerConfig {
     /// Largest frame payload accepted or sent, in bytes.
     pub max_frame: usize,
     /// Most connections served at once; more are refused at the handshake.
+    /// Lowered at start to what the open-file limit allows beside the
+    /// descriptors kept for L2 and SQLite (see [`crate::limits`]).
     pub max_connections: usize,
+    /// Once a request frame started arriving, the whole frame must arrive
+    /// within this time, or the connection is closed. A connection idle
+    /// between frames is never timed out.
+    pub frame_timeout: Duration,
+    /// Bytes of unfinished and undecoded request frames buffered across
+    /// all connections; a frame that would exceed it closes its connection
+    /// with an `Unavailable` error.
+    pub max_buffered_bytes: usize,
     /// A reply that cannot be written within this time closes its connection.
     pub write_timeout: Duration,
     /// How long [`Server::shutdown`] lets live leases drain.
@@ -91,6 +103,8 @@ impl ServerConfig {
             socket: socket.into(),
             max_frame: wire::DEFAULT_MAX_FRAME,
             max_connections: 1024,
+            frame_timeout: Duration::from_secs(10),
+            max_buffered_bytes: 256 << 20,
             write_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(30),
             remove_dir_on_stop: false,
@@ -177,6 +191,10 @@ struct Shared {
     requests: AtomicU64,
     protocol_errors: AtomicU64,
     connections_total: AtomicU64,
+    /// Bytes of request frames being received, across connections.
+    buffered: wire::ByteBudget,
+    frames_timed_out: AtomicU64,
+    frames_over_budget: AtomicU64,
 }
 
 /// A running RPC server (see the [module docs](self)). Stops at
@@ -222,7 +240,7 @@ impl Server {
 
     fn serve(
         service: Arc<CheckpointService>,
-        config: ServerConfig,
+        mut config: ServerConfig,
         listener: UnixListener,
         socket_id: (u64, u64),
         lock: InstanceLock,
@@ -231,6 +249,15 @@ impl Server {
             remove_socket(&config.socket, socket_id);
             return Err(Error::io("make the RPC listener non-blocking", e));
         }
+        if config.max_buffered_bytes < config.max_frame {
+            remove_socket(&config.socket, socket_id);
+            return Err(Error::invalid(format!(
+                "rpc_max_buffered_bytes ({}) must be at least the frame limit ({} bytes)",
+                config.max_buffered_bytes, config.max_frame
+            )));
+        }
+        config.max_connections = connection_budget(config.max_connections);
+        let buffered = wire::ByteBudget::new(config.max_buffered_bytes);
         let shared = Arc::new(Shared {
             service,
             config,
@@ -244,6 +271,9 @@ impl Server {
             requests: AtomicU64::new(0),
             protocol_errors: AtomicU64::new(0),
             connections_total: AtomicU64::new(0),
+            buffered,
+            frames_timed_out: AtomicU64::new(0),
+            frames_over_budget: AtomicU64::new(0),
         });
         let for_thread = shared.clone();
         let accept = std::thread::Builder::new()
@@ -395,10 +425,45 @@ fn status_of(shared: &Shared) -> Result<ServiceStatus> {
             "rpc_protocol_errors",
             shared.protocol_errors.load(Ordering::Relaxed),
         ),
+        ("rpc_max_connections", shared.config.max_connections as u64),
+        ("rpc_buffered_bytes", shared.buffered.used() as u64),
+        (
+            "rpc_frames_timed_out",
+            shared.frames_timed_out.load(Ordering::Relaxed),
+        ),
+        (
+            "rpc_frames_over_budget",
+            shared.frames_over_budget.load(Ordering::Relaxed),
+        ),
     ];
     s.values
         .extend(rpc.into_iter().map(|(k, v)| (k.to_string(), v)));
     Ok(s)
+}
+
+/// Descriptors one served connection holds (the stream and its clones for
+/// the registry and the writer).
+const FDS_PER_CONNECTION: u64 = 3;
+
+/// Raises the open-file limit and lowers `configured` connections to what
+/// fits beside the descriptors kept for the tiers.
+fn connection_budget(configured: usize) -> usize {
+    let limit = crate::limits::raise_nofile_limit();
+    let Some(fit) = crate::limits::connections_that_fit(limit, FDS_PER_CONNECTION) else {
+        return configured;
+    };
+    let fit = usize::try_from(fit).unwrap_or(usize::MAX);
+    if fit < configured {
+        log::warn!(
+            "serving at most {fit} RPC connections (max_connections is {configured}): the \
+             open-file limit is {} and {} descriptors stay reserved for L2 and the directory; \
+             raise the hard limit (ulimit -Hn, systemd LimitNOFILE=) to serve more",
+            limit.soft.unwrap_or(0),
+            crate::limits::FD_RESERVE
+        );
+        return fit;
+    }
+    configured
 }
 
 // ---------------------------------------------------------------------------
@@ -510,8 +575,17 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64), InstanceLock)> 
             .create(&dir)
             .map_err(|e| Error::io(format!("create socket directory {}", dir.display()), e))?;
     }
-    let meta = std::fs::metadata(&dir)
+    // lstat: a socket directory reached through a link is refused (another
+    // user could point it at a directory of theirs).
+    let meta = std::fs::symlink_metadata(&dir)
         .map_err(|e| Error::io(format!("stat socket directory {}", dir.display()), e))?;
+    if meta.file_type().is_symlink() {
+        return Err(Error::invalid(format!(
+            "socket directory {} is a symbolic link; lmcache-rc does not follow links there: \
+             pass a socket in a real directory to --socket",
+            dir.display()
+        )));
+    }
     let uid = rustix::process::geteuid().as_raw();
     if !meta.is_dir() {
         return Err(Error::invalid(format!(
@@ -826,23 +900,45 @@ fn negotiate_err(min: u32, max: u32) -> Result<u32> {
 }
 
 fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream: UnixStream) {
-    let mut reader = BufReader::with_capacity(64 << 10, stream);
-    let mut buf = Vec::new();
+    // The socket's read timeout wakes the reader of a stalled frame; a
+    // frame that started must complete within the frame timeout.
+    let _ = stream.set_read_timeout(Some(shared.config.frame_timeout));
+    let bounds = wire::FrameBounds {
+        max_frame: shared.config.max_frame,
+        frame_timeout: shared.config.frame_timeout,
+    };
+    let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
+    let mut buf = wire::FrameBuffer::new(&shared.buffered);
     loop {
         if conn.dead.load(Ordering::Relaxed) {
             break;
         }
-        match wire::read_frame(&mut reader, shared.config.max_frame, &mut buf) {
+        match wire::read_frame_bounded(&mut reader, &bounds, &mut buf) {
             Ok(()) => {}
             Err(FrameError::Eof) => break,
-            Err(e @ FrameError::Oversize { .. }) => {
-                shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            Err(
+                e @ (FrameError::Oversize { .. }
+                | FrameError::OverBudget { .. }
+                | FrameError::TimedOut { .. }),
+            ) => {
+                let kind = match e {
+                    FrameError::Oversize { .. } => {
+                        shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                        ErrorKind::Protocol
+                    }
+                    FrameError::OverBudget { .. } => {
+                        shared.frames_over_budget.fetch_add(1, Ordering::Relaxed);
+                        ErrorKind::Unavailable
+                    }
+                    _ => {
+                        shared.frames_timed_out.fetch_add(1, Ordering::Relaxed);
+                        ErrorKind::Protocol
+                    }
+                };
+                log::info!("RPC connection {}: {e}; closing it", conn.id);
+                buf.shrink(0);
                 let msg = format!("{e}; closing the connection");
-                conn.send(
-                    shared,
-                    CONNECTION_ERROR_ID,
-                    &Reply::error(ErrorKind::Protocol, msg),
-                );
+                conn.send(shared, CONNECTION_ERROR_ID, &Reply::error(kind, msg));
                 break;
             }
             Err(e) => {
@@ -853,7 +949,7 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream
                 break;
             }
         }
-        let (rid, body) = match wire::split_id(&buf) {
+        let (rid, body) = match wire::split_id(buf.payload()) {
             Ok((rid, _)) if rid == CONNECTION_ERROR_ID => {
                 shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
                 conn.send(
@@ -874,15 +970,16 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream
             }
         };
         shared.requests.fetch_add(1, Ordering::Relaxed);
-        match wire::decode_request(body) {
+        let decoded = wire::decode_request(body);
+        // The request owns its values now: the frame's memory goes back to
+        // the shared budget before the (possibly long) call runs.
+        buf.shrink(KEEP_BUFFER);
+        match decoded {
             Ok(request) => dispatch(shared, conn, holder, rid, request),
             Err(e) => {
                 shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
                 conn.send(shared, rid, &Reply::from_result(Err(e)));
             }
-        }
-        if buf.capacity() > KEEP_BUFFER {
-            buf = Vec::new();
         }
     }
 }

@@ -10,6 +10,8 @@
 use std::io::{self, IoSlice, IoSliceMut, Read};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -825,6 +827,23 @@ pub enum FrameError {
         /// The limit.
         max: usize,
     },
+    /// A frame had started but did not complete within the frame timeout
+    /// (see [`FrameBounds::frame_timeout`]).
+    TimedOut {
+        /// Bytes of the frame received.
+        got: usize,
+        /// Bytes the frame announced (length prefix included; 0 while the
+        /// length prefix itself was incomplete).
+        expected: usize,
+        /// The bound.
+        timeout: Duration,
+    },
+    /// Buffering the frame would exceed the bytes buffered across all
+    /// connections (see [`ByteBudget`]).
+    OverBudget {
+        /// The budget's limit in bytes.
+        limit: usize,
+    },
     /// The read failed (includes read timeouts).
     Io(io::Error),
 }
@@ -841,10 +860,158 @@ impl std::fmt::Display for FrameError {
                 f,
                 "a frame of {len} bytes exceeds the {max}-byte frame limit"
             ),
+            FrameError::TimedOut {
+                got,
+                expected,
+                timeout,
+            } => write!(
+                f,
+                "a frame did not complete within {:.1} s ({got} of {} bytes received)",
+                timeout.as_secs_f64(),
+                if *expected == 0 {
+                    "?".to_string()
+                } else {
+                    expected.to_string()
+                }
+            ),
+            FrameError::OverBudget { limit } => write!(
+                f,
+                "the server is already buffering {limit} bytes of unfinished frames across \
+                 its connections; retry later"
+            ),
             FrameError::Io(e) => write!(f, "read failed: {e}"),
         }
     }
 }
+
+/// Bytes of frames being received, shared by every connection of a server:
+/// a frame is buffered only as far as the budget allows, so stalled or
+/// oversized frames on many connections cannot exhaust memory.
+#[derive(Debug)]
+pub struct ByteBudget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl ByteBudget {
+    /// A budget of `limit` bytes.
+    pub fn new(limit: usize) -> ByteBudget {
+        ByteBudget {
+            limit,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    /// The limit in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Takes `n` bytes; false (nothing taken) when they do not fit.
+    fn take(&self, n: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|&total| total <= self.limit)
+            })
+            .is_ok()
+    }
+
+    /// Returns `n` bytes taken earlier.
+    fn give(&self, n: usize) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(n))
+            });
+    }
+}
+
+/// Bytes of a connection's frame buffer never charged to the budget: small
+/// requests are served even while large unfinished frames hold the budget.
+pub const UNCHARGED_BYTES: usize = 64 << 10;
+
+/// One connection's receive buffer, charged to a [`ByteBudget`] for its
+/// capacity beyond [`UNCHARGED_BYTES`]; the charge is returned when the
+/// buffer shrinks or is dropped.
+#[derive(Debug)]
+pub struct FrameBuffer<'a> {
+    buf: Vec<u8>,
+    charged: usize,
+    budget: &'a ByteBudget,
+}
+
+impl<'a> FrameBuffer<'a> {
+    /// An empty buffer charged to `budget`.
+    pub fn new(budget: &'a ByteBudget) -> FrameBuffer<'a> {
+        FrameBuffer {
+            buf: Vec::new(),
+            charged: 0,
+            budget,
+        }
+    }
+
+    /// The last frame's payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Releases the memory (and its charge) when it exceeds `keep` bytes.
+    pub fn shrink(&mut self, keep: usize) {
+        if self.buf.capacity() > keep {
+            self.buf = Vec::new();
+            self.budget.give(self.charged);
+            self.charged = 0;
+        }
+    }
+
+    /// Makes room for `more` bytes beyond the current length, charging the
+    /// growth beyond [`UNCHARGED_BYTES`]; false when the budget refuses it.
+    fn grow(&mut self, more: usize, cap: usize) -> bool {
+        let needed = self.buf.len().saturating_add(more);
+        if needed <= self.buf.capacity() {
+            return true;
+        }
+        let target = needed
+            .max(self.buf.capacity().saturating_mul(2))
+            .min(cap.max(needed));
+        let extra = target
+            .saturating_sub(UNCHARGED_BYTES)
+            .saturating_sub(self.charged);
+        if !self.budget.take(extra) {
+            return false;
+        }
+        self.charged += extra;
+        self.buf.reserve_exact(target - self.buf.len());
+        true
+    }
+}
+
+impl Drop for FrameBuffer<'_> {
+    fn drop(&mut self) {
+        self.budget.give(self.charged);
+    }
+}
+
+/// Limits on reading one frame ([`read_frame_bounded`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FrameBounds {
+    /// Largest payload accepted.
+    pub max_frame: usize,
+    /// Once the first byte of a frame arrived, the whole frame must arrive
+    /// within this time. The stream's read timeout must be set to it too
+    /// (so that a silent peer wakes the reader); a read that times out
+    /// before a frame started is not an error (idle connections are fine).
+    pub frame_timeout: Duration,
+}
+
+/// Bytes read per step: a frame's buffer grows as its bytes arrive, never
+/// by what its length prefix claims.
+const READ_STEP: usize = 64 << 10;
 
 /// Fills `buf` completely; `Ok(n < buf.len())` only at end of stream.
 fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
@@ -861,7 +1028,8 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 }
 
 /// Reads one frame's payload into `buf` (replacing its contents). The limit
-/// is checked before anything beyond the length prefix is read.
+/// is checked before anything beyond the length prefix is read, and the
+/// buffer grows as bytes arrive (a length prefix alone allocates nothing).
 pub fn read_frame(
     r: &mut impl Read,
     max_frame: usize,
@@ -886,13 +1054,111 @@ pub fn read_frame(
         });
     }
     buf.clear();
-    buf.resize(len, 0);
-    let got = read_full(r, buf).map_err(FrameError::Io)?;
+    let got = (&mut *r)
+        .take(len as u64)
+        .read_to_end(buf)
+        .map_err(FrameError::Io)?;
     if got < len {
         return Err(FrameError::Truncated {
             got: LEN_BYTES + got,
             expected: LEN_BYTES + len,
         });
+    }
+    Ok(())
+}
+
+/// Whether a read error is the stream's read timeout.
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// [`read_frame`] for a server: a frame that started must complete within
+/// [`FrameBounds::frame_timeout`], and its buffer is charged to the shared
+/// budget as it grows (a frame the budget cannot hold is
+/// [`FrameError::OverBudget`]). Waiting for the first byte of a frame is
+/// unbounded: the stream's read timeout only wakes the loop.
+pub fn read_frame_bounded(
+    r: &mut impl Read,
+    bounds: &FrameBounds,
+    buf: &mut FrameBuffer<'_>,
+) -> std::result::Result<(), FrameError> {
+    let mut len = [0u8; LEN_BYTES];
+    let mut got = 0;
+    let mut deadline: Option<Instant> = None;
+    let timed_out = |got: usize, expected: usize| FrameError::TimedOut {
+        got,
+        expected,
+        timeout: bounds.frame_timeout,
+    };
+    // The length prefix: idle until its first byte.
+    while got < LEN_BYTES {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Err(FrameError::Eof),
+            Ok(0) => {
+                return Err(FrameError::Truncated {
+                    got,
+                    expected: LEN_BYTES,
+                });
+            }
+            Ok(n) => {
+                got += n;
+                let start = *deadline.get_or_insert_with(|| Instant::now() + bounds.frame_timeout);
+                if Instant::now() > start {
+                    return Err(timed_out(got, 0));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => match deadline {
+                None => {}
+                Some(d) if Instant::now() < d => {}
+                Some(_) => return Err(timed_out(got, 0)),
+            },
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+    }
+    let deadline = deadline.unwrap_or_else(|| Instant::now() + bounds.frame_timeout);
+    let len = u32::from_le_bytes(len) as usize;
+    if len > bounds.max_frame {
+        return Err(FrameError::Oversize {
+            len,
+            max: bounds.max_frame,
+        });
+    }
+    let expected = LEN_BYTES + len;
+    buf.buf.clear();
+    while buf.buf.len() < len {
+        let step = (len - buf.buf.len()).min(READ_STEP);
+        if !buf.grow(step, len) {
+            return Err(FrameError::OverBudget {
+                limit: buf.budget.limit(),
+            });
+        }
+        let at = buf.buf.len();
+        buf.buf.resize(at + step, 0);
+        let result = r.read(&mut buf.buf[at..]);
+        let n = match &result {
+            Ok(n) => *n,
+            Err(_) => 0,
+        };
+        buf.buf.truncate(at + n);
+        match result {
+            Ok(0) => {
+                return Err(FrameError::Truncated {
+                    got: LEN_BYTES + at,
+                    expected,
+                });
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => {}
+            Err(e) => return Err(FrameError::Io(e)),
+        }
+        if Instant::now() > deadline && buf.buf.len() < len {
+            return Err(timed_out(LEN_BYTES + buf.buf.len(), expected));
+        }
     }
     Ok(())
 }

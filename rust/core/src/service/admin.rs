@@ -58,6 +58,12 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         ("l2_capacity", l2_capacity),
         ("l2_bytes_written", written),
         ("l2_queue", queued.max(io_queue)),
+        ("l2_write_retrying", inner.upkeep.retries_waiting() as u64),
+        ("pending_bytes", st.pending_bytes),
+        (
+            "stores_refused",
+            u64::from(inner.dir.read_only().is_some() || inner.upkeep.disk_full().is_some()),
+        ),
     ];
     let mut values: BTreeMap<String, u64> = gauges
         .into_iter()

@@ -15,6 +15,11 @@ named_enum! {
         BeginDraining = "begin_draining",
         /// `begin` refused a duplicate (identical generation pending or listed) or found no capacity.
         BeginSuppressed = "begin_suppressed",
+        /// `begin` refused because pending manifests hold `max_pending_bytes`.
+        BeginRefusedPendingBytes = "begin_refused_pending_bytes",
+        /// `begin` refused because the disk is full (the directory is read-only
+        /// or a write failed for lack of space).
+        BeginRefusedNoSpace = "begin_refused_no_space",
         /// Pending generations aborted because they were begun more than
         /// `abandoned_after` ago (checked at every begin and by a timer).
         AbandonedGenerations = "abandoned_generations",
@@ -57,10 +62,15 @@ named_enum! {
         RetrieveCapacityWaits = "retrieve_capacity_waits",
         /// Retrieves cancelled before exposing slots.
         RetrievesCancelled = "retrieves_cancelled",
+        /// Retrieve leases whose holder stopped polling them before they
+        /// exposed slots, ended by the sweep after twice `retrieve_timeout`.
+        RetrievesExpired = "retrieves_expired",
         /// L2 reads that proved a page lost (missing or corrupt file).
         L2CorruptOrMissing = "l2_corrupt_or_missing",
-        /// L2 writes that failed.
+        /// L2 writes that failed (each attempt).
         L2WriteErrors = "l2_write_errors",
+        /// Failed L2 writes scheduled for another attempt.
+        L2WriteRetries = "l2_write_retries",
         /// L2 writes skipped because the tier was full.
         L2SkippedFull = "l2_skipped_full",
         /// Objects deleted from every tier at zero references.

@@ -18,6 +18,8 @@
 //! - `reclaim`: who holds each lease (a process, or nobody watchable), the
 //!   reclaim of a gone process's leases, and the sweep that also aborts
 //!   abandoned pending generations;
+//! - `upkeep`: the background thread retrying failed L2 writes and
+//!   watching for space to return while stores are refused;
 //! - `state`: the object table and reference counts (changed only through
 //!   its methods), leases and pending generations; `counters`: event and
 //!   miss counts.
@@ -44,6 +46,7 @@ mod state;
 mod store;
 mod tiers;
 mod types;
+mod upkeep;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,6 +81,11 @@ struct Inner {
     l2: Option<Arc<L2Tier>>,
     io: Mutex<Option<IoPool>>,
     state: tiers::StateLock,
+    /// Retried L2 writes and the disk-full state (`upkeep`).
+    upkeep: upkeep::Upkeep,
+    /// Generations start-up found incomplete but could not retire (the
+    /// directory was read-only); retired once it is writable.
+    deferred_retire: Mutex<Vec<String>>,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.

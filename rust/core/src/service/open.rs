@@ -1,34 +1,24 @@
 //! Opening the service and reconciling the directory with L2 at start-up.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use super::counters::Counter;
 use super::keys::object_keys;
 use super::state::{Obj, State};
 use super::tiers::StateLock;
+use super::upkeep::Upkeep;
 use super::{CheckpointService, Inner, ServiceConfig};
 use crate::error::{Error, Result};
 use crate::index::{Directory, DirectoryConfig};
 use crate::manifest::Manifest;
 use crate::store::ObjectKey;
 use crate::store::alloc::SlotAllocator;
-use crate::store::l2::{Fs, Inventory, IoPool, L2Tier, RealFs};
+use crate::store::l2::{
+    Binding, Fs, Inventory, IoPool, L2Tier, RealFs, read_binding, write_binding,
+};
 use crate::store::shm::ShmPool;
-
-/// A random salt for lease ids, so ids of an earlier run are never ours.
-fn lease_salt() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
-}
 
 impl CheckpointService {
     /// Opens the service: creates the SHM pool, opens the directory and the L2
@@ -75,8 +65,11 @@ impl CheckpointService {
         )?;
         let (l2, inventory) = match &config.l2_path {
             Some(path) => {
+                // Refused before the tier opens (which deletes temp files).
+                let bound = check_binding(&*fs, path, &config, &dir)?;
                 let (tier, inventory) =
-                    L2Tier::open_with_progress(path, config.l2_bytes, fs, progress)?;
+                    L2Tier::open_with_progress(path, config.l2_bytes, fs.clone(), progress)?;
+                bind(&*fs, path, &config, &dir, bound, &inventory)?;
                 (Some(Arc::new(tier)), Some(inventory))
             }
             None => (None, None),
@@ -96,9 +89,12 @@ impl CheckpointService {
             dir,
             l2,
             io: parking_lot::Mutex::new(io),
-            state: StateLock::new(State::new(alloc, lease_salt())),
+            state: StateLock::new(State::new(alloc, crate::private::random_bytes()?)),
+            upkeep: Upkeep::default(),
+            deferred_retire: parking_lot::Mutex::new(Vec::new()),
         });
         reconcile(&inner, inventory)?;
+        Upkeep::start(&inner)?;
         let reaper = super::reclaim::Reaper::start(&inner)?;
         Ok(CheckpointService {
             inner,
@@ -107,17 +103,117 @@ impl CheckpointService {
     }
 }
 
+/// The flags that name the index and the L2 directory, for messages.
+const INDEX_FLAG: &str = "--checkpoint-index-path";
+const L2_FLAG: &str = "--l2-path";
+
+/// Refuses an L2 directory whose objects belong to another index, or to a
+/// durable index that was not given (its objects would all be deleted as
+/// unreferenced). Returns the binding found.
+fn check_binding(
+    fs: &dyn Fs,
+    root: &Path,
+    config: &ServiceConfig,
+    dir: &Directory,
+) -> Result<Option<Binding>> {
+    let found = read_binding(fs, root)?;
+    let Some(bound) = &found else {
+        return Ok(None);
+    };
+    if !bound.durable {
+        return Ok(found);
+    }
+    let owner = bound
+        .index_path
+        .clone()
+        .unwrap_or_else(|| "(unknown path)".to_string());
+    match (&config.checkpoint_index_path, dir.instance_id()) {
+        (None, _) => Err(Error::invalid(format!(
+            "L2 directory {} holds the objects of the durable checkpoint index {owner} (id \
+             {}), but {INDEX_FLAG} is not given: without it every object would be deleted as \
+             unreferenced. Pass {INDEX_FLAG} {owner}, choose another {L2_FLAG}, or delete {} \
+             to discard its objects",
+            root.display(),
+            bound.index_id,
+            root.display()
+        ))),
+        (Some(path), Some(id)) if id != bound.index_id => Err(Error::invalid(format!(
+            "L2 directory {} belongs to another checkpoint index ({owner}, id {}); {INDEX_FLAG} \
+             {} is index {id}, so the objects would be deleted as unreferenced. Pass \
+             {INDEX_FLAG} {owner}, choose another {L2_FLAG}, or delete {} to discard its \
+             objects",
+            root.display(),
+            bound.index_id,
+            path.display(),
+            root.display()
+        ))),
+        _ => Ok(found),
+    }
+}
+
+/// Binds the L2 directory to this service's index once it is accepted: an
+/// unbound directory with objects is adopted by a durable index and refused
+/// without one (whose objects they are cannot be told).
+fn bind(
+    fs: &dyn Fs,
+    root: &Path,
+    config: &ServiceConfig,
+    dir: &Directory,
+    found: Option<Binding>,
+    inventory: &Inventory,
+) -> Result<()> {
+    let durable = config.checkpoint_index_path.is_some();
+    if found.is_none() && !durable && !inventory.objects.is_empty() {
+        return Err(Error::invalid(format!(
+            "L2 directory {} holds {} objects but no binding to an index (an older \
+             lmcache-rc wrote it), and {INDEX_FLAG} is not given: without it every object \
+             would be deleted as unreferenced. Pass the {INDEX_FLAG} they belong to, or delete \
+             {} to discard them",
+            root.display(),
+            inventory.objects.len(),
+            root.display()
+        )));
+    }
+    if dir.read_only().is_some() {
+        return Ok(()); // nothing is written (or deleted) on a full disk
+    }
+    let wanted = match dir.instance_id() {
+        Some(id) => Binding::new(id, true, config.checkpoint_index_path.as_deref()),
+        None if durable => return Ok(()),
+        None => match &found {
+            Some(b) if !b.durable => return Ok(()),
+            _ => Binding::new(crate::private::random_id()?, false, None),
+        },
+    };
+    if found.as_ref() != Some(&wanted) {
+        write_binding(fs, root, &wanted)?;
+        if let Some(old) = found.filter(|b| b.index_id != wanted.index_id) {
+            log::info!(
+                "L2 directory {}: bound to checkpoint index {} (it belonged to {}index {})",
+                root.display(),
+                wanted.index_id,
+                if old.durable { "" } else { "the in-memory " },
+                old.index_id
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Start-up reconciliation: every listed generation must have all of its
 /// objects verified on disk (I8); others are retired. Objects no listed
 /// generation references are deleted; unreadable files are reclaimed. Errors
 /// here fail the open (nothing is served from a tier that cannot be fixed).
 fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
     let mut on_disk = HashMap::new();
+    // On a full disk (read-only directory) nothing is deleted: start-up
+    // only decides what is served.
+    let read_only = inner.dir.read_only().is_some();
     if let Some(inv) = &inventory {
         for entry in &inv.objects {
             on_disk.insert(entry.key, entry.page_bytes);
         }
-        if let Some(l2) = &inner.l2 {
+        if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only) {
             if !inv.unreadable.is_empty() {
                 let n = l2.reclaim_unreadable(&inv.unreadable)?;
                 log::warn!("reclaimed {n} unreadable or old-format L2 files");
@@ -159,10 +255,18 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
                     .entry(*key)
                     .or_insert_with(|| Obj::on_disk(*bytes));
             }
+            let queued = st.newly_durable.len();
             st.list_generation(
                 manifest.generation(),
                 keys.into_iter().map(|(k, _)| k).collect(),
             );
+            // Every object of a listed generation is on disk now; one whose
+            // flag was never committed (a crash between the last object's
+            // fsync and the flag) is marked durable by the guard below.
+            // Those already flagged need nothing.
+            if entry.durable {
+                st.newly_durable.truncate(queued);
+            }
         }
         // Files that no listed generation references are garbage (I7).
         let garbage: Vec<ObjectKey> = on_disk
@@ -171,25 +275,53 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
             .copied()
             .collect();
         st.count(Counter::RestartRetired, retire.len() as u64);
-        // Listed generations were durable when they were listed; the files
-        // deleted here fail the open if they cannot be (below), so neither
-        // is left for the guard to perform.
-        st.newly_durable.clear();
+        if inner.dir.read_only().is_some() {
+            // The flags wait until the directory is writable again.
+            st.newly_durable.clear();
+        }
         garbage
     };
     if !retire.is_empty() {
-        log::warn!(
-            "start-up: retired {} generation(s) whose objects are missing or corrupt",
-            retire.len()
-        );
-        inner.dir.retire(&retire)?;
+        if let Some(why) = inner.dir.read_only() {
+            log::warn!(
+                "start-up: {} generation(s) whose objects are missing or corrupt are not \
+                 served; they are retired once the directory is writable ({why})",
+                retire.len()
+            );
+            inner.deferred_retire.lock().extend(retire);
+        } else {
+            log::warn!(
+                "start-up: retired {} generation(s) whose objects are missing or corrupt",
+                retire.len()
+            );
+            inner.dir.retire(&retire)?;
+        }
     }
-    if let Some(l2) = &inner.l2 {
+    if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only) {
         for key in deletes {
             l2.remove(&key)?;
         }
     }
     Ok(())
+}
+
+/// Retires what start-up found incomplete while the directory was
+/// read-only (called once it is writable again).
+pub(super) fn retire_deferred(inner: &std::sync::Arc<Inner>) {
+    let retire = std::mem::take(&mut *inner.deferred_retire.lock());
+    if retire.is_empty() {
+        return;
+    }
+    match inner.dir.retire(&retire) {
+        Ok(_) => log::warn!(
+            "retired {} generation(s) whose objects were missing or corrupt at start-up",
+            retire.len()
+        ),
+        Err(e) => {
+            log::warn!("retiring generations found incomplete at start-up failed: {e}");
+            inner.deferred_retire.lock().extend(retire);
+        }
+    }
 }
 
 /// All objects of all ranks of a manifest with their page sizes.

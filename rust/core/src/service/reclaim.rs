@@ -20,6 +20,11 @@
 //!   that vanished without closing (e.g. a descriptor inherited by a child);
 //! - untracked leases end only when finished.
 //!
+//! The sweep also ends retrieve leases that exposed nothing and were begun
+//! more than twice `retrieve_timeout` ago (their holder, alive, stopped
+//! polling them: a worker gives up at `retrieve_timeout`), releasing their
+//! readers (`retrieves_expired`); exposed leases are left to their holder.
+//!
 //! The same sweep aborts pending generations older than `abandoned_after`
 //! (a begin whose writers never came, or left), so an abandoned generation
 //! does not wait for a later `begin` to notice it.
@@ -36,7 +41,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::Inner;
 use super::counters::Counter;
-use super::retrieve::release_readers;
+use super::retrieve::{expire_unpolled, release_readers};
 use super::store::{abort, abort_stale, discard_written};
 use crate::error::Result;
 use crate::peer::{Peer, PeerKey};
@@ -213,6 +218,8 @@ impl Reaper {
                     }
                     let Some(inner) = weak.upgrade() else { return };
                     sweep(&inner);
+                    let unpolled = inner.config.retrieve_timeout.saturating_mul(2);
+                    expire_unpolled(&inner, unpolled);
                     if let (Some(at), Some(every)) = (next_abandoned, abandoned_every) {
                         if Instant::now() >= at && inner.lock().accepting {
                             abort_stale(&inner);

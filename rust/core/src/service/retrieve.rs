@@ -3,7 +3,7 @@
 //! end the lease (`finish_retrieve`, or `cancel_retrieve` before exposure).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::counters::Counter;
@@ -153,6 +153,32 @@ pub(super) fn poll_retrieve(
         inner.pool.id().to_string(),
         slots,
     ))
+}
+
+/// Ends the retrieve leases that exposed nothing and were begun more than
+/// `older_than` ago: their holder stopped polling (a live process that lost
+/// track of them; a gone one's are reclaimed earlier). Their readers are
+/// released, so the pages they held can be evicted and cleared again; a later
+/// poll of such a lease answers "unknown lease", which a worker treats as a
+/// failed restore. Exposed leases are never expired: a copy may still read
+/// their slots. Returns how many ended.
+pub(super) fn expire_unpolled(inner: &Arc<Inner>, older_than: Duration) -> usize {
+    let mut st = inner.lock();
+    let expired: Vec<u64> = st
+        .retrieve_leases
+        .iter()
+        .filter(|(_, l)| !l.exposed && l.started.elapsed() > older_than)
+        .map(|(n, _)| *n)
+        .collect();
+    for n in &expired {
+        if let Some(lease) = st.retrieve_leases.remove(n) {
+            release_readers(&mut st, &lease);
+        }
+    }
+    if !expired.is_empty() {
+        st.count(Counter::RetrievesExpired, expired.len() as u64);
+    }
+    expired.len()
 }
 
 /// Ends an exposed retrieve lease after the worker's copy drained.

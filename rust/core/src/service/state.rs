@@ -167,6 +167,9 @@ pub struct PendingGen {
     /// Which staging of the generation this is (a generation aborted and
     /// begun again is a new staging; leases of the old one never join it).
     pub epoch: u64,
+    /// Bytes its manifest holds in memory (counted in
+    /// [`State::pending_bytes`] until it leaves).
+    pub bytes: u64,
 }
 
 /// A live store lease.
@@ -232,6 +235,9 @@ pub struct State {
     pub store_ranks: HashSet<(String, u32)>,
     pub retrieve_leases: HashMap<u64, RetrieveLease>,
     pub pending: HashMap<String, PendingGen>,
+    /// Manifest bytes of the pending generations (and of begins between
+    /// their check and their record), bounded by `max_pending_bytes`.
+    pub pending_bytes: u64,
     pub listed: HashMap<Arc<str>, ListedGen>,
     /// Event and miss counts.
     pub counters: Counters,
@@ -241,7 +247,8 @@ pub struct State {
     pub next_lease: u64,
     /// Epoch of the next staged generation.
     pub next_epoch: u64,
-    pub lease_salt: u64,
+    /// Keys the lease-id tags (drawn at start; see [`State::new_lease_id`]).
+    pub lease_secret: [u8; 32],
     pub accepting: bool,
     /// L2 files to delete (unreferenced objects), drained by the caller.
     pub l2_deletes: Vec<ObjectKey>,
@@ -257,12 +264,10 @@ pub struct State {
     pub to_retire: Vec<Arc<str>>,
     /// L2 loads to start (key, slot offset, length), drained by the caller.
     pub loads: Vec<(ObjectKey, u64, u64)>,
-    /// L2 file bytes of writes queued or running (not yet in the tier's accounting).
-    pub l2_queued_bytes: u64,
 }
 
 impl State {
-    pub fn new(alloc: SlotAllocator, lease_salt: u64) -> State {
+    pub fn new(alloc: SlotAllocator, lease_secret: [u8; 32]) -> State {
         State {
             objects: HashMap::new(),
             lru: BTreeMap::new(),
@@ -272,12 +277,13 @@ impl State {
             store_ranks: HashSet::new(),
             retrieve_leases: HashMap::new(),
             pending: HashMap::new(),
+            pending_bytes: 0,
             listed: HashMap::new(),
             counters: Counters::default(),
             releases: 0,
             next_lease: 1,
             next_epoch: 1,
-            lease_salt,
+            lease_secret,
             accepting: true,
             l2_deletes: Vec::new(),
             deleting: HashMap::new(),
@@ -285,7 +291,6 @@ impl State {
             newly_durable: Vec::new(),
             to_retire: Vec::new(),
             loads: Vec::new(),
-            l2_queued_bytes: 0,
         }
     }
 
@@ -378,21 +383,38 @@ impl State {
         }
     }
 
-    /// A new lease number and its public id (32 hex characters).
+    /// A new lease number and its public id: 32 hex characters, the number
+    /// and a tag only this service can compute (a keyed hash of the number
+    /// under a secret drawn at start). The id is the lease's capability: it
+    /// cannot be guessed from other ids, so a call that names no rank still
+    /// comes from whoever was handed the lease.
     pub fn new_lease_id(&mut self) -> (u64, String) {
         let n = self.next_lease;
         self.next_lease += 1;
-        (n, format!("{:016x}{:016x}", self.lease_salt, n))
+        (n, format!("{n:016x}{:016x}", self.lease_tag(n)))
     }
 
-    /// Parses a public lease id back to its number (None = not ours).
+    /// Parses a public lease id back to its number (None = not ours: a
+    /// wrong tag, an id of an earlier run, or not an id).
     pub fn lease_number(&self, id: &str) -> Option<u64> {
-        if id.len() != 32 {
+        if id.len() != 32 || !id.is_ascii() {
             return None;
         }
-        let salt = u64::from_str_radix(&id[..16], 16).ok()?;
-        let n = u64::from_str_radix(&id[16..], 16).ok()?;
-        (salt == self.lease_salt).then_some(n)
+        let n = u64::from_str_radix(&id[..16], 16).ok()?;
+        let tag = u64::from_str_radix(&id[16..], 16).ok()?;
+        (tag == self.lease_tag(n)).then_some(n)
+    }
+
+    /// The tag of lease number `n` (SHA-256 of the secret and `n`).
+    fn lease_tag(&self, n: u64) -> u64 {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.lease_secret);
+        h.update(n.to_le_bytes());
+        let digest = h.finalize();
+        let mut tag = [0u8; 8];
+        tag.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(tag)
     }
 
     pub fn live_leases(&self) -> usize {
@@ -520,9 +542,17 @@ impl State {
         true
     }
 
+    /// Forgets a pending generation (its pins are the caller's), returning
+    /// its manifest bytes to the pending budget.
+    pub fn remove_pending(&mut self, generation: &str) -> Option<PendingGen> {
+        let pg = self.pending.remove(generation)?;
+        self.pending_bytes = self.pending_bytes.saturating_sub(pg.bytes);
+        Some(pg)
+    }
+
     /// Releases every pin of a pending generation and forgets it.
     pub fn release_pending(&mut self, generation: &str) {
-        let Some(pg) = self.pending.remove(generation) else {
+        let Some(pg) = self.remove_pending(generation) else {
             return;
         };
         self.releases += 1;

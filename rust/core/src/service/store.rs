@@ -23,7 +23,16 @@ const RETRY_WAIT: Duration = Duration::from_millis(100);
 /// capacity, or an aborted attempt of it still draining (retry later).
 pub(super) fn begin(inner: &Arc<Inner>, manifest: &Manifest) -> Result<bool> {
     // Validate the page groups before anything is staged.
-    manifest.payload_schema()?;
+    let schema = manifest.payload_schema()?;
+    check_distinct_pages(&schema)?;
+    if let Some(why) = store_refusal(inner) {
+        inner.lock().count(Counter::BeginRefusedNoSpace, 1);
+        return Err(Error::OutOfSpace(format!(
+            "store of {} refused: {why}; durable generations are still served, and stores \
+             resume once space returns",
+            manifest.generation()
+        )));
+    }
     abort_stale(inner);
     // An aborted attempt of this generation may still be draining: rank
     // leases not yet finished, or acknowledgements in flight. Staging it
@@ -39,23 +48,50 @@ pub(super) fn begin(inner: &Arc<Inner>, manifest: &Manifest) -> Result<bool> {
         inner.lock().count(Counter::BeginDraining, 1);
         return Ok(false);
     }
-    if !inner.dir.begin(manifest)? {
-        inner.lock().count(Counter::BeginSuppressed, 1);
-        return Ok(false);
+    // The manifest's memory counts against the pending budget from here.
+    let bytes = manifest_bytes(manifest);
+    {
+        let mut st = inner.lock();
+        if st.pending_bytes.saturating_add(bytes) > inner.config.max_pending_bytes {
+            st.count(Counter::BeginRefusedPendingBytes, 1);
+            log::info!(
+                "begin of {g} refused: pending manifests hold {} bytes and this one {bytes} \
+                 (max_pending_bytes is {})",
+                st.pending_bytes,
+                inner.config.max_pending_bytes
+            );
+            return Ok(false);
+        }
+        st.pending_bytes += bytes;
+    }
+    let begun = inner.dir.begin(manifest);
+    if !matches!(begun, Ok(true)) {
+        let mut st = inner.lock();
+        st.pending_bytes = st.pending_bytes.saturating_sub(bytes);
+        if matches!(begun, Ok(false)) {
+            st.count(Counter::BeginSuppressed, 1);
+        }
+        return begun;
     }
     {
         let mut st = inner.lock();
         let epoch = st.next_epoch;
         st.next_epoch += 1;
-        st.pending
-            .entry(g.to_string())
-            .or_insert_with(|| PendingGen {
-                ranks: Default::default(),
-                pinned: Vec::new(),
-                acks_in_flight: 0,
-                abort_requested: false,
-                epoch,
-            });
+        if st.pending.contains_key(g) {
+            st.pending_bytes = st.pending_bytes.saturating_sub(bytes);
+        } else {
+            st.pending.insert(
+                g.to_string(),
+                PendingGen {
+                    ranks: Default::default(),
+                    pinned: Vec::new(),
+                    acks_in_flight: 0,
+                    abort_requested: false,
+                    epoch,
+                    bytes,
+                },
+            );
+        }
     }
     // An abort that ran between the directory's answer and the record
     // above found nothing to drop here: drop it now.
@@ -63,6 +99,50 @@ pub(super) fn begin(inner: &Arc<Inner>, manifest: &Manifest) -> Result<bool> {
         abort_locked(&mut inner.lock(), g);
     }
     Ok(true)
+}
+
+/// Bytes a pending manifest holds in memory (payload, tail, names), as
+/// counted against `max_pending_bytes`.
+fn manifest_bytes(manifest: &Manifest) -> u64 {
+    let prefix = manifest.prefix();
+    (manifest.payload().len()
+        + prefix.tail_tokens().len() * 4
+        + prefix.namespace().len()
+        + manifest.generation().len()
+        + 128) as u64
+}
+
+/// Why stores are refused now (the disk is full), if they are.
+fn store_refusal(inner: &Inner) -> Option<String> {
+    if let Some(why) = inner.dir.read_only() {
+        return Some(why);
+    }
+    inner.upkeep.disk_full()
+}
+
+/// Refuses a payload in which two pages of one group would be the same
+/// storage object: only one of them could ever be stored, and no restore
+/// could place both (a recurrent group with several positions needs one
+/// content key per position, e.g. discriminators `recurrent:<g>:<position>`).
+fn check_distinct_pages(schema: &crate::manifest::PayloadSchema) -> Result<()> {
+    for group in &schema.page_groups {
+        if group.content_keys.len() < 2 {
+            continue;
+        }
+        let mut seen = std::collections::HashMap::with_capacity(group.content_keys.len());
+        for (i, key) in group.content_keys.iter().enumerate() {
+            if let Some(first) = seen.insert(key, i) {
+                return Err(Error::invalid(format!(
+                    "page group {:?} gives positions {} and {} the same content key: every \
+                     position of a group needs its own key (a recurrent group with several \
+                     positions must give each position its own discriminator, e.g. \
+                     \"recurrent:<group>:<position>\")",
+                    group.name, group.positions[first], group.positions[i]
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Aborts a pending generation (no-op for unknown or listed ones).
@@ -280,6 +360,11 @@ pub(super) fn finish_store(
     let publication = match ack {
         Ok(p) => p,
         Err(e) => {
+            if is_disk_full(&e) {
+                inner
+                    .upkeep
+                    .note_disk_full(format!("publishing {} failed: {e}", lease.generation));
+            }
             st.miss(MissReason::DirectoryError);
             drop(st);
             abort(inner, &lease.generation)?;
@@ -287,7 +372,7 @@ pub(super) fn finish_store(
         }
     };
     if publication.published {
-        if let Some(pg) = st.pending.remove(&lease.generation) {
+        if let Some(pg) = st.remove_pending(&lease.generation) {
             st.list_generation(&lease.generation, pg.pinned.clone());
             for key in &pg.pinned {
                 st.unpin(key);
@@ -305,6 +390,12 @@ pub(super) fn finish_store(
         st.release_pending(&lease.generation);
     }
     Ok(publication.published)
+}
+
+/// Whether a directory error says the disk is full (SQLite's SQLITE_FULL).
+fn is_disk_full(e: &Error) -> bool {
+    matches!(e, Error::OutOfSpace(_))
+        || matches!(e, Error::Database(m) if m.contains("database or disk is full"))
 }
 
 /// Refuses a lease call that names another rank than the lease's.

@@ -22,6 +22,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use super::Inner;
 use super::counters::Counter;
 use super::state::{L1, L2, State};
+use super::upkeep::RetryWrite;
 use crate::error::{Error, Result};
 use crate::protocol::MissReason;
 use crate::store::ObjectKey;
@@ -116,42 +117,41 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
         let mut writes = Vec::new();
         let mut waiting = Vec::new();
         for key in std::mem::take(&mut st.l2_writes) {
-            let planned = st.l2_queued_bytes;
-            let fits = inner.l2.as_ref().is_some_and(|l2| {
-                st.objects
-                    .get(&key)
-                    .is_some_and(|o| l2.would_fit(planned + object_file_bytes(o.page_bytes)))
-            });
+            let Some(l2) = inner.l2.as_ref() else {
+                continue;
+            };
             let Some(obj) = st.objects.get_mut(&key) else {
                 continue;
             };
             if obj.l2 != L2::Absent || obj.l1 != L1::Ready {
                 continue;
             }
-            if !fits {
+            let Some(slot) = obj.slot else {
+                continue;
+            };
+            // The space is reserved in the tier now; the write turns the
+            // reservation into the object's bytes (never counted twice).
+            if !l2.try_reserve(charge(inner, obj.page_bytes)) {
                 waiting.push(key);
                 continue;
             }
-            if let Some(slot) = obj.slot {
-                obj.l2 = L2::Queued;
-                let bytes = obj.page_bytes;
-                st.start_io(&key);
-                writes.push((key, slot.offset, bytes));
-                st.l2_queued_bytes += object_file_bytes(bytes);
-            }
+            obj.l2 = L2::Queued;
+            let bytes = obj.page_bytes;
+            st.start_io(&key);
+            writes.push((key, slot.offset, bytes));
         }
         if !waiting.is_empty() {
             if let Some(l2) = inner.l2.as_ref().filter(|_| may_evict) {
                 let need: u64 = waiting
                     .iter()
                     .filter_map(|k| st.objects.get(k))
-                    .map(|o| object_file_bytes(o.page_bytes))
+                    .map(|o| charge(inner, o.page_bytes))
                     .sum();
                 let free = l2.capacity().map_or(u64::MAX, |cap| {
-                    cap.saturating_sub(l2.used_bytes() + st.l2_queued_bytes)
+                    cap.saturating_sub(l2.used_bytes() + l2.reserved_bytes())
                 });
                 evicted = st.evict_l2(need.saturating_sub(free), &waiting, |k| {
-                    l2.file_bytes_of(k).unwrap_or(0)
+                    l2.charged_bytes_of(k).unwrap_or(0)
                 });
             }
             if evicted {
@@ -199,12 +199,18 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
         submit_load(inner, key, offset, len);
     }
     for (key, offset, len) in writes {
-        submit_write(inner, key, offset, len);
+        submit_write(inner, key, offset, len, 0);
     }
     if evicted {
         // The evicted files are deleted now: write what waited for space.
         flush_once(inner, false);
     }
+}
+
+/// The bytes an object of `page_bytes` takes in L2 (see [`L2Tier::charge`]).
+fn charge(inner: &Inner, page_bytes: u64) -> u64 {
+    let file = object_file_bytes(page_bytes);
+    inner.l2.as_ref().map_or(file, |l2| l2.charge(file))
 }
 
 /// Runs `job` on an L2 I/O thread, or on this thread when the queue is
@@ -317,29 +323,113 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
     });
 }
 
-/// Writes a `Ready` object's bytes to its durable L2 file.
-fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
+/// Writes a `Ready` object's bytes to its durable L2 file (`attempt` 0 for
+/// the first try). The object's I/O hold, taken when the write was queued,
+/// keeps its slot until the write succeeds or is given up (see
+/// [`super::upkeep`] for retries).
+fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64, attempt: u32) {
     submit_l2_job(inner, move |inner, l2| {
         // SAFETY: the object is Ready (immutable) and its `io` count keeps the
         // slot from being freed or reused until this job has finished.
         let result = page_len(len)
             .and_then(|len| unsafe { inner.pool.slice(offset, len) })
-            .and_then(|bytes| l2.write(&key, bytes));
-        let mut st = inner.lock();
-        st.l2_queued_bytes = st.l2_queued_bytes.saturating_sub(object_file_bytes(len));
-        st.end_io(&key);
-        match result {
-            Ok(_) => st.mark_durable(&key),
-            Err(e) => {
-                log::warn!("L2 write of {key:?} failed: {e}");
-                st.count(Counter::L2WriteErrors, 1);
-                if let Some(obj) = st.objects.get_mut(&key) {
-                    obj.l2 = L2::Absent;
+            .and_then(|bytes| l2.write_reserved(&key, bytes));
+        let failure = match result {
+            Ok(_) => {
+                if attempt > 0 {
+                    log::info!("L2 write of {key:?} succeeded after {attempt} retries");
                 }
+                inner.upkeep.clear_disk_full();
+                let mut st = inner.lock();
+                st.end_io(&key);
+                st.mark_durable(&key);
+                st.maybe_reclaim(&key);
+                return;
             }
+            Err(e) => e,
+        };
+        // The failed write gave its reservation back.
+        let charged = l2.charge(object_file_bytes(len));
+        let capacity_full = matches!(failure, Error::OutOfSpace(_)) && !l2.would_fit(charged);
+        let mut st = inner.lock();
+        st.count(Counter::L2WriteErrors, 1);
+        let wanted = st
+            .objects
+            .get(&key)
+            .is_some_and(|o| o.refs() > 0 || !o.idle_holds());
+        let retry = wanted && !capacity_full && !l2.is_poisoned();
+        if retry {
+            if matches!(failure, Error::OutOfSpace(_)) {
+                inner.upkeep.note_disk_full(failure.to_string());
+            }
+            let next = RetryWrite {
+                key,
+                offset,
+                len,
+                attempt: attempt + 1,
+            };
+            if inner.upkeep.schedule(next) {
+                log::warn!(
+                    "L2 write of {key:?} failed (attempt {}): {failure}; retrying while its \
+                     L1 copy stays pinned",
+                    attempt + 1
+                );
+                st.count(Counter::L2WriteRetries, 1);
+                return;
+            }
+        }
+        if wanted {
+            log::error!(
+                "L2 write of {key:?} failed and is not retried: {failure}; its generations \
+                 stay in L1 only (not durable)"
+            );
+        }
+        st.end_io(&key);
+        if let Some(obj) = st.objects.get_mut(&key) {
+            obj.l2 = L2::Absent;
+        }
+        if capacity_full && wanted {
+            // L2 filled up meanwhile: back through the queue, which evicts.
+            st.l2_writes.push(key);
         }
         st.maybe_reclaim(&key);
     });
+}
+
+/// Runs a write whose retry came due (on the upkeep thread): writes again
+/// if a generation still needs the object, else releases its hold.
+pub(super) fn retry_write(inner: &Arc<Inner>, write: RetryWrite) {
+    let wanted = {
+        let st = inner.lock();
+        st.objects
+            .get(&write.key)
+            .is_some_and(|o| o.refs() > 0 || !o.idle_holds())
+    };
+    if !wanted {
+        give_up_write(inner, &write);
+        return;
+    }
+    let reserved = inner
+        .l2
+        .as_ref()
+        .is_some_and(|l2| l2.try_reserve(charge(inner, write.len)));
+    if reserved {
+        submit_write(inner, write.key, write.offset, write.len, write.attempt);
+    } else {
+        // L2 filled up meanwhile: back through the queue, which evicts.
+        give_up_write(inner, &write);
+        inner.lock().l2_writes.push(write.key);
+    }
+}
+
+/// Releases a waiting retry's hold without writing.
+fn give_up_write(inner: &Arc<Inner>, write: &RetryWrite) {
+    let mut st = inner.lock();
+    st.end_io(&write.key);
+    if let Some(obj) = st.objects.get_mut(&write.key) {
+        obj.l2 = L2::Absent;
+    }
+    st.maybe_reclaim(&write.key);
 }
 
 impl Inner {
@@ -370,6 +460,33 @@ impl Inner {
     /// they queued. Runs on the thread that owns the service, so that no
     /// I/O thread ever drops the last reference (it would join itself).
     pub(super) fn drain_io(self: &Arc<Self>) {
+        // Retries first: one last attempt each, on the pool (still running).
+        let waiting = self.upkeep.stop();
+        if !waiting.is_empty() {
+            log::info!(
+                "closing: {} L2 write(s) waiting for a retry are attempted once more",
+                waiting.len()
+            );
+        }
+        for write in waiting {
+            let wanted = {
+                let st = self.lock();
+                st.objects
+                    .get(&write.key)
+                    .is_some_and(|o| o.refs() > 0 || !o.idle_holds())
+            };
+            let reserved = wanted
+                && self
+                    .l2
+                    .as_ref()
+                    .is_some_and(|l2| l2.try_reserve(charge(self, write.len)));
+            if reserved {
+                // The upkeep is stopped: a failure now is given up.
+                submit_write(self, write.key, write.offset, write.len, write.attempt);
+            } else {
+                give_up_write(self, &write);
+            }
+        }
         if let Some(io) = self.io.lock().take() {
             io.shutdown();
         }

@@ -20,6 +20,8 @@ pub struct ServiceConfig {
     pub max_entries: u64,
     /// Most generations pending publication at once.
     pub max_pending: u64,
+    /// Most bytes the manifests of pending generations hold at once.
+    pub max_pending_bytes: u64,
     /// Most live leases (store + retrieve) at once.
     pub max_leases: usize,
     /// How long a store admission waits for L1 space before missing.
@@ -41,6 +43,7 @@ impl Default for ServiceConfig {
             checkpoint_index_path: None,
             max_entries: 65_536,
             max_pending: 128,
+            max_pending_bytes: 256 << 20,
             max_leases: 1024,
             store_admission_timeout: Duration::from_secs(8),
             retrieve_timeout: Duration::from_secs(30),

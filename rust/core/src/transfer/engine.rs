@@ -3,7 +3,7 @@
 //! See the [module documentation](super) for the job life cycle and the
 //! failure classes.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -210,6 +210,63 @@ struct Queue {
     leasing: usize,
     admitted: usize,
     closing: bool,
+    /// Blocks admitted jobs write (retrieves) and read (stores), with the
+    /// number of jobs doing so: see [`TransferEngine::submit`].
+    writing: HashMap<u64, u32>,
+    reading: HashMap<u64, u32>,
+}
+
+impl Queue {
+    /// Refuses a job that would write a block another admitted job reads
+    /// or writes, or read a block another one writes; else records its
+    /// blocks until it ends.
+    fn claim_blocks(&mut self, job: &Job) -> Result<()> {
+        let blocks: Vec<u64> = job.block_ids.iter().flatten().copied().collect();
+        let writes = job.direction == Direction::Retrieve;
+        let clash = blocks
+            .iter()
+            .find(|b| self.writing.contains_key(b) || (writes && self.reading.contains_key(b)));
+        if let Some(block) = clash {
+            return Err(Error::invalid(format!(
+                "block {block} is already {} by an unfinished transfer of this engine; a {} \
+                 may not {} it until that transfer ends (two copies would race on the same \
+                 page-pool memory)",
+                if self.writing.contains_key(block) {
+                    "being written"
+                } else {
+                    "being read"
+                },
+                job.direction.as_str(),
+                if writes { "write" } else { "read" },
+            )));
+        }
+        let map = if writes {
+            &mut self.writing
+        } else {
+            &mut self.reading
+        };
+        for b in blocks {
+            *map.entry(b).or_insert(0) += 1;
+        }
+        Ok(())
+    }
+
+    /// Forgets the blocks of a job that ended.
+    fn release_blocks(&mut self, job: &Job) {
+        let map = if job.direction == Direction::Retrieve {
+            &mut self.writing
+        } else {
+            &mut self.reading
+        };
+        for b in job.block_ids.iter().flatten() {
+            if let Some(n) = map.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(b);
+                }
+            }
+        }
+    }
 }
 
 /// Field order is drop order: the mapping (and its registration) goes
@@ -267,6 +324,8 @@ impl TransferEngine {
                 leasing: 0,
                 admitted: 0,
                 closing: false,
+                writing: HashMap::new(),
+                reading: HashMap::new(),
             }),
             changed: Condvar::new(),
             unsafe_reason: Mutex::new(None),
@@ -315,7 +374,10 @@ impl TransferEngine {
 
     /// Admits a job. `Ok(None)` = refused, nothing started (closing, unsafe or
     /// `max_pending` jobs in flight); an invalid rank or direction/event
-    /// combination is an error.
+    /// combination is an error, and so is a job whose blocks clash with an
+    /// unfinished job of this engine: a retrieve may not write a block
+    /// another job reads or writes, a store may not read a block a retrieve
+    /// writes (blocks are compared by id across page groups).
     pub fn submit(&self, job: Job) -> Result<Option<JobHandle>> {
         if job.rank >= job.manifest.world_size() {
             return Err(Error::invalid(format!(
@@ -337,6 +399,7 @@ impl TransferEngine {
         if q.closing || q.admitted >= self.inner.config.max_pending {
             return Ok(None);
         }
+        q.claim_blocks(&job)?;
         let handle = JobHandle(Arc::new(HandleState::default()));
         q.admitted += 1;
         q.jobs.push_back((job, handle.clone()));
@@ -564,6 +627,10 @@ impl Inner {
         // caller that submits as soon as a job ends is never refused for it.
         let mut q = self.queue.lock();
         q.admitted -= 1;
+        // A copy that may still run keeps its blocks claimed for good.
+        if !matches!(outcome, Outcome::Unsafe(_)) {
+            q.release_blocks(job);
+        }
         handle.finish(outcome);
         drop(q);
         self.changed.notify_all();
@@ -665,9 +732,10 @@ impl Inner {
             // A late finish/cancel reply: the operation completed.
             return Rpc::Ok(late);
         };
+        let rank = call.rank();
         if let (LeaseStatus::Pending, Some(id)) = (lease.status, &lease.lease_id) {
             // A pending lookup exposed no bytes: cancelling it is never fatal.
-            self.cancel(id);
+            self.cancel(rank, id);
             return Rpc::Drained(format!(
                 "{name} answered only after {:.1} s; its pending lookup was cancelled",
                 self.config.rpc_timeout.as_secs_f64()
@@ -678,10 +746,12 @@ impl Inner {
                 Some(LeaseCall::FinishStore {
                     lease_id: id.clone(),
                     success: false,
+                    rank,
                 })
             }
             (_, LeaseStatus::Ready, Some(id)) => Some(LeaseCall::FinishRetrieve {
                 lease_id: id.clone(),
+                rank,
             }),
             _ => None,
         };
@@ -754,19 +824,21 @@ impl Inner {
                 plan,
                 mapped,
             }),
-            Err(e) => Err(self.release(job.direction, &lease_id, e)),
+            Err(e) => Err(self.release(job, &lease_id, e)),
         }
     }
 
     /// Finishes a lease as failed (nothing was copied into it or out of it).
-    fn release(&self, direction: Direction, lease_id: &str, cause: Error) -> Outcome {
+    fn release(&self, job: &Job, lease_id: &str, cause: Error) -> Outcome {
         let lease_id = lease_id.to_string();
-        let call = match direction {
+        let rank = job.rank;
+        let call = match job.direction {
             Direction::Store => LeaseCall::FinishStore {
                 lease_id,
                 success: false,
+                rank,
             },
-            Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id },
+            Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id, rank },
         };
         match self.finish(call) {
             Ok(()) => Outcome::Failed(cause),
@@ -783,19 +855,21 @@ impl Inner {
         } = leased;
         match self.backend.copy(&plan, &mapped.pool, job.producer_event) {
             Ok(()) => {}
-            Err(CopyFailure::Recoverable(e)) => return self.release(job.direction, &lease_id, e),
+            Err(CopyFailure::Recoverable(e)) => return self.release(job, &lease_id, e),
             Err(CopyFailure::InFlight(r)) => {
                 // A DMA may still touch the mapping: it must never be unmapped.
                 std::mem::forget(mapped);
                 return self.turn_unsafe(format!("DMA could not drain: {r}"));
             }
         }
+        let rank = job.rank;
         let call = match job.direction {
             Direction::Store => LeaseCall::FinishStore {
                 lease_id,
                 success: true,
+                rank,
             },
-            Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id },
+            Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id, rank },
         };
         match self.finish(call) {
             Ok(()) => Outcome::Copied,
@@ -867,7 +941,7 @@ impl Inner {
                 )));
             };
             if self.closing() || Instant::now() >= deadline {
-                self.cancel(&id);
+                self.cancel(job.rank, &id);
                 return Err(Outcome::Miss(format!(
                     "the restore was not ready within {:.1} s; the request recomputes",
                     self.config.rpc_timeout.as_secs_f64()
@@ -880,6 +954,7 @@ impl Inner {
             lease = match self.lease_rpc(
                 LeaseCall::PollRetrieve {
                     lease_id: id.clone(),
+                    rank: job.rank,
                 },
                 true,
             ) {
@@ -888,7 +963,7 @@ impl Inner {
                 // A drained timeout: the late reply's lease was already released.
                 Err(o @ Outcome::Failed(Error::Timeout(_))) => return Err(o),
                 Err(o) => {
-                    self.cancel(&id);
+                    self.cancel(job.rank, &id);
                     return Err(o);
                 }
             };
@@ -977,9 +1052,10 @@ impl Inner {
     }
 
     /// Cancels a pending retrieve; never fatal (it exposed no bytes).
-    fn cancel(&self, lease_id: &str) {
+    fn cancel(&self, rank: u32, lease_id: &str) {
         let call = LeaseCall::CancelRetrieve {
             lease_id: lease_id.to_string(),
+            rank,
         };
         let wait = self.config.rpc_timeout.min(Duration::from_secs(1));
         if let Err(e) = self.api.call(call).wait(wait) {

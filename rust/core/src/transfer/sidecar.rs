@@ -37,6 +37,8 @@ pub enum LeaseCall {
         lease_id: String,
         /// Whether the copy completed.
         success: bool,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
     /// Start restoring one rank's pages.
     BeginRetrieve {
@@ -49,20 +51,38 @@ pub enum LeaseCall {
     PollRetrieve {
         /// The lease.
         lease_id: String,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
     /// End an exposed retrieve lease after the copy drained.
     FinishRetrieve {
         /// The lease.
         lease_id: String,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
     /// Give up a retrieve that exposed nothing.
     CancelRetrieve {
         /// The lease.
         lease_id: String,
+        /// The rank that took the lease (the service checks it).
+        rank: u32,
     },
 }
 
 impl LeaseCall {
+    /// The rank the call is made for.
+    pub fn rank(&self) -> u32 {
+        match self {
+            LeaseCall::PrepareStore { rank, .. }
+            | LeaseCall::FinishStore { rank, .. }
+            | LeaseCall::BeginRetrieve { rank, .. }
+            | LeaseCall::PollRetrieve { rank, .. }
+            | LeaseCall::FinishRetrieve { rank, .. }
+            | LeaseCall::CancelRetrieve { rank, .. } => *rank,
+        }
+    }
+
     /// The operation's name, for messages.
     pub fn name(&self) -> &'static str {
         match self {
@@ -162,24 +182,29 @@ fn call_async(api: &(impl CheckpointsAsync + ?Sized), call: LeaseCall) -> Box<dy
         LeaseCall::PrepareStore { manifest, rank } => {
             answer(api.prepare_store_async(&manifest, rank), LeaseAnswer::Lease)
         }
-        LeaseCall::FinishStore { lease_id, success } => answer(
-            api.finish_store_async(&lease_id, success, None),
+        LeaseCall::FinishStore {
+            lease_id,
+            success,
+            rank,
+        } => answer(
+            api.finish_store_async(&lease_id, success, Some(rank)),
             LeaseAnswer::Bool,
         ),
         LeaseCall::BeginRetrieve { manifest, rank } => answer(
             api.begin_retrieve_async(&manifest, rank),
             LeaseAnswer::Lease,
         ),
-        LeaseCall::PollRetrieve { lease_id } => {
-            answer(api.poll_retrieve_async(&lease_id, None), LeaseAnswer::Lease)
-        }
-        LeaseCall::FinishRetrieve { lease_id } => {
-            answer(api.finish_retrieve_async(&lease_id, None), |()| {
+        LeaseCall::PollRetrieve { lease_id, rank } => answer(
+            api.poll_retrieve_async(&lease_id, Some(rank)),
+            LeaseAnswer::Lease,
+        ),
+        LeaseCall::FinishRetrieve { lease_id, rank } => {
+            answer(api.finish_retrieve_async(&lease_id, Some(rank)), |()| {
                 LeaseAnswer::Unit
             })
         }
-        LeaseCall::CancelRetrieve { lease_id } => {
-            answer(api.cancel_retrieve_async(&lease_id, None), |()| {
+        LeaseCall::CancelRetrieve { lease_id, rank } => {
+            answer(api.cancel_retrieve_async(&lease_id, Some(rank)), |()| {
                 LeaseAnswer::Unit
             })
         }

@@ -17,9 +17,13 @@
 //!                                       characters, <aa> and <bb> = its first
 //!                                       two bytes in lowercase hex
 //! <root>/tmp/<key>.<pid>-<seq>.tmp      a write in progress (deleted at open)
+//! <root>/binding.json                   the index the objects belong to
+//!                                       (see `binding.rs`)
 //! ```
 //!
-//! Files are created with mode 0600, directories with mode 0700.
+//! Files are created with mode 0600, directories with mode 0700. The root,
+//! `objects/` and `tmp/` must belong to this user and must not be symbolic
+//! links (an existing one with a wider mode is narrowed to 0700).
 //!
 //! # Object file format, version 1
 //!
@@ -68,6 +72,7 @@
 //! not fsynced: an object that reappears after a crash is an unreferenced
 //! object, which the service reclaims.
 
+mod binding;
 mod format;
 mod fs;
 mod pool;
@@ -82,6 +87,7 @@ use std::sync::{Arc, mpsc};
 
 use parking_lot::Mutex;
 
+pub use self::binding::{BINDING_FILE, Binding, read_binding, write_binding};
 pub use self::format::{
     FORMAT_VERSION, HEADER_BYTES, HeaderDefect, MAGIC, PageHeader, checksum, object_file_bytes,
 };
@@ -145,6 +151,9 @@ pub struct L2Tier {
     objects: PathBuf,
     tmp: PathBuf,
     capacity: Option<u64>,
+    /// The filesystem's allocation unit: an object is charged its file
+    /// length rounded up to it (what it takes on disk).
+    unit: u64,
     fs: Arc<dyn Fs>,
     accounting: Mutex<Accounting>,
     /// Bucket (first two key bytes) -> state of its directory. A bucket
@@ -223,8 +232,21 @@ impl L2Tier {
         fs: Arc<dyn Fs>,
         progress: &mut dyn FnMut(usize),
     ) -> Result<(L2Tier, Inventory)> {
+        // Never through a link, never another user's: opening deletes files
+        // under tmp/ and the service deletes unreferenced objects.
+        let private = |path: &Path| {
+            crate::private::check_owned(
+                path,
+                crate::private::Kind::Dir,
+                "L2 directory",
+                "--l2-path",
+                true,
+            )
+        };
+        private(root)?;
         fs.create_dir_all(root)
             .map_err(|e| Error::io(format!("create L2 directory {}", root.display()), e))?;
+        private(root)?;
         let objects = root.join("objects");
         let tmp = root.join("tmp");
         if create_dir_if_missing(&*fs, &objects)? {
@@ -232,6 +254,8 @@ impl L2Tier {
                 .map_err(|e| Error::io(format!("fsync L2 directory {}", root.display()), e))?;
         }
         create_dir_if_missing(&*fs, &tmp)?;
+        private(&objects)?;
+        private(&tmp)?;
         remove_temp_files(&*fs, &tmp)?;
         // All 256 first-level directories exist from the first open, so a
         // write creates at most its second-level directory.
@@ -245,10 +269,12 @@ impl L2Tier {
         }
 
         let (inventory, buckets) = scan(&*fs, &objects, progress)?;
+        let unit = allocation_unit(root);
         let mut accounting = Accounting::default();
         for entry in &inventory.objects {
-            accounting.sizes.insert(entry.key, entry.file_bytes);
-            accounting.used = accounting.used.saturating_add(entry.file_bytes);
+            let charged = charge(unit, entry.file_bytes);
+            accounting.sizes.insert(entry.key, charged);
+            accounting.used = accounting.used.saturating_add(charged);
         }
         if !inventory.unreadable.is_empty() {
             log::warn!(
@@ -270,6 +296,7 @@ impl L2Tier {
             objects,
             tmp,
             capacity: capacity_bytes,
+            unit,
             fs,
             accounting: Mutex::new(accounting),
             buckets: Mutex::new(buckets.into_iter().map(|b| (b, Bucket::Durable)).collect()),
@@ -307,17 +334,73 @@ impl L2Tier {
     /// [`Error::Io`] for other failures, and for every write once the tier
     /// is poisoned by a failed fsync.
     pub fn write(&self, key: &ObjectKey, page: &[u8]) -> Result<u64> {
+        self.write_inner(key, page, false)
+    }
+
+    /// Takes `charged` bytes (see [`L2Tier::charge`]) of the capacity for a
+    /// write to come; false (nothing taken) when they do not fit next to
+    /// the objects and the other reservations. Pass the reservation on to
+    /// [`L2Tier::write_reserved`] or give it back with
+    /// [`L2Tier::release_reservation`].
+    pub fn try_reserve(&self, charged: u64) -> bool {
+        let mut acc = self.accounting.lock();
+        let needed = acc
+            .used
+            .saturating_add(acc.reserved)
+            .saturating_add(charged);
+        if self.capacity.is_some_and(|cap| needed > cap) {
+            return false;
+        }
+        acc.reserved = acc.reserved.saturating_add(charged);
+        true
+    }
+
+    /// Gives back a reservation of [`L2Tier::try_reserve`].
+    pub fn release_reservation(&self, charged: u64) {
+        let mut acc = self.accounting.lock();
+        acc.reserved = acc.reserved.saturating_sub(charged);
+    }
+
+    /// [`L2Tier::write`] of an object whose space the caller reserved with
+    /// [`L2Tier::try_reserve`] (for `self.charge(64 + page.len())` bytes):
+    /// the reservation turns into the object's accounted bytes in the same
+    /// step, or is given back when the write fails, so the object is never
+    /// counted twice or not at all.
+    pub fn write_reserved(&self, key: &ObjectKey, page: &[u8]) -> Result<u64> {
+        self.write_inner(key, page, true)
+    }
+
+    fn write_inner(&self, key: &ObjectKey, page: &[u8], reserved: bool) -> Result<u64> {
         let dest = self.path_of(key);
-        self.check_poison(&dest)?;
         let header = PageHeader::for_page(key, page);
         let file_bytes = header.file_bytes();
+        let charged = self.charge(file_bytes);
+        let unreserve = || {
+            if reserved {
+                self.release_reservation(charged);
+            }
+        };
+        if let Err(e) = self.check_poison(&dest) {
+            unreserve();
+            return Err(e);
+        }
 
         // Write once: never rewrite an intact object.
-        match read_header(&*self.fs, &dest, key)
-            .map_err(|e| Error::io(format!("check L2 object {}", dest.display()), e))?
-        {
+        let existing = match read_header(&*self.fs, &dest, key) {
+            Ok(found) => found,
+            Err(e) => {
+                unreserve();
+                return Err(Error::io(format!("check L2 object {}", dest.display()), e));
+            }
+        };
+        match existing {
             HeaderRead::Valid(_, existing) if existing == header => {
-                self.account_present(key, file_bytes);
+                let mut acc = self.accounting.lock();
+                if reserved {
+                    acc.reserved = acc.reserved.saturating_sub(charged);
+                }
+                let old = acc.sizes.insert(*key, charged).unwrap_or(0);
+                acc.used = acc.used.saturating_sub(old).saturating_add(charged);
                 return Ok(0);
             }
             HeaderRead::Valid(_, existing) => log::warn!(
@@ -336,17 +419,19 @@ impl L2Tier {
             HeaderRead::Missing => {}
         }
 
-        self.reserve(&dest, file_bytes)?;
+        if !reserved {
+            self.reserve(&dest, charged)?;
+        }
         let result = self.write_new(key, &dest, &header, page);
         let mut acc = self.accounting.lock();
-        acc.reserved = acc.reserved.saturating_sub(file_bytes);
+        acc.reserved = acc.reserved.saturating_sub(charged);
         let in_place = match &result {
             Ok(()) => true,
             Err(failure) => failure.in_place,
         };
         if in_place {
-            let old = acc.sizes.insert(*key, file_bytes).unwrap_or(0);
-            acc.used = acc.used.saturating_sub(old).saturating_add(file_bytes);
+            let old = acc.sizes.insert(*key, charged).unwrap_or(0);
+            acc.used = acc.used.saturating_sub(old).saturating_add(charged);
         }
         drop(acc);
         result.map(|()| file_bytes).map_err(|f| f.error)
@@ -460,7 +545,7 @@ impl L2Tier {
         Ok(())
     }
 
-    /// Counts `file_bytes` of a write in flight against the capacity.
+    /// Counts the charged bytes of a write in flight against the capacity.
     fn reserve(&self, dest: &Path, file_bytes: u64) -> Result<()> {
         let mut acc = self.accounting.lock();
         if let Some(capacity) = self.capacity {
@@ -480,13 +565,6 @@ impl L2Tier {
         }
         acc.reserved = acc.reserved.saturating_add(file_bytes);
         Ok(())
-    }
-
-    /// Records an object found intact on disk.
-    fn account_present(&self, key: &ObjectKey, file_bytes: u64) {
-        let mut acc = self.accounting.lock();
-        let old = acc.sizes.insert(*key, file_bytes).unwrap_or(0);
-        acc.used = acc.used.saturating_sub(old).saturating_add(file_bytes);
     }
 
     fn discard_temp(&self, tmp: &Path) {
@@ -664,7 +742,14 @@ impl L2Tier {
         Ok(removed)
     }
 
-    /// Bytes of the object files this tier accounts (headers included).
+    /// Charged bytes reserved for writes in flight.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.accounting.lock().reserved
+    }
+
+    /// Bytes the object files this tier accounts take on disk (headers
+    /// included, each rounded up to the allocation unit: see
+    /// [`L2Tier::charge`]).
     pub fn used_bytes(&self) -> u64 {
         self.accounting.lock().used
     }
@@ -679,18 +764,33 @@ impl L2Tier {
         self.capacity
     }
 
-    /// The file bytes accounted for `key`, if it is accounted.
-    pub fn file_bytes_of(&self, key: &ObjectKey) -> Option<u64> {
+    /// The charged bytes (see [`L2Tier::charge`]) accounted for `key`, if it
+    /// is accounted.
+    pub fn charged_bytes_of(&self, key: &ObjectKey) -> Option<u64> {
         self.accounting.lock().sizes.get(key).copied()
     }
 
-    /// Every accounted object and its file bytes, in no particular order.
+    /// Every accounted object and its charged bytes, in no particular order.
     pub fn objects(&self) -> Vec<(ObjectKey, u64)> {
         let acc = self.accounting.lock();
         acc.sizes.iter().map(|(k, v)| (*k, *v)).collect()
     }
 
-    /// True when `file_bytes` more bytes (see [`object_file_bytes`]) fit in
+    /// The bytes an object file of `file_bytes` (see [`object_file_bytes`])
+    /// takes on disk: its length rounded up to the filesystem's allocation
+    /// unit. Capacity, [`L2Tier::used_bytes`] and [`L2Tier::would_fit`]
+    /// count these, so `--l2-bytes` bounds what the files take on disk (a
+    /// 4,160-byte object of a 4 KiB page takes 8 KiB).
+    pub fn charge(&self, file_bytes: u64) -> u64 {
+        charge(self.unit, file_bytes)
+    }
+
+    /// The filesystem's allocation unit (see [`L2Tier::charge`]).
+    pub fn allocation_unit(&self) -> u64 {
+        self.unit
+    }
+
+    /// True when `file_bytes` more charged bytes (see [`L2Tier::charge`]) fit in
     /// the capacity next to the objects and the writes in flight.
     pub fn would_fit(&self, file_bytes: u64) -> bool {
         match self.capacity {
@@ -711,6 +811,21 @@ impl L2Tier {
     pub fn bytes_written(&self) -> u64 {
         self.bytes_written.load(Ordering::Relaxed)
     }
+}
+
+/// The allocation unit of the filesystem holding `root` (its fragment
+/// size, as `st_blocks` counts on ext4, xfs and tmpfs); 4096 when unknown.
+pub fn allocation_unit(root: &Path) -> u64 {
+    match rustix::fs::statvfs(root) {
+        Ok(v) if v.f_frsize > 0 => v.f_frsize.clamp(512, 1 << 20),
+        Ok(v) if v.f_bsize > 0 => v.f_bsize.clamp(512, 1 << 20),
+        _ => 4096,
+    }
+}
+
+/// `file_bytes` rounded up to a multiple of `unit`.
+fn charge(unit: u64, file_bytes: u64) -> u64 {
+    file_bytes.div_ceil(unit.max(1)).saturating_mul(unit.max(1))
 }
 
 /// Maps "disk full" to [`Error::OutOfSpace`], anything else to [`Error::Io`].
