@@ -1,5 +1,6 @@
 //! The HTTP admin API of the sidecar: `GET /status` (JSON), `GET /metrics`
-//! (Prometheus text exposition) and
+//! (the status as Prometheus series, [`crate::metrics`]: OpenMetrics text
+//! to clients that accept it, else the Prometheus text format) and
 //! `POST /clear?force=true|false&all_tiers=true|false` (409 while a forced
 //! clear is refused because leases are live; `force` omitted = forced, see
 //! [`crate::protocol::CLEAR_FORCE_DEFAULT`]).

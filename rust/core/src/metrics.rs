@@ -14,9 +14,10 @@
 //!
 //! Every [`Counter`] is mapped by an exhaustive match, so a new counter does
 //! not compile until it has a series; the status's gauges are mapped by name
-//! and a unit test checks that a real status has no value left unmapped. A
-//! value this build does not describe (a newer server's) is still exported,
-//! as a gauge named after it, rather than dropped.
+//! and a test (`tests_rs/http_admin.rs`) checks that no value of a real
+//! sidecar's status (service and RPC layer) is left unmapped. A value
+//! without a series (added to a status but not here) is still exported, as
+//! a gauge named after it, rather than dropped.
 //!
 //! The exposition is built from one status snapshot per scrape: a fresh
 //! registry of the crate's counters and gauges set to the snapshot's values
