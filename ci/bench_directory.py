@@ -4,9 +4,9 @@
 file (prompts of 2k..20k tokens, one to five roots). For each size this script
 alternates rounds of the Rust ``find`` (``directory_bench --find``, a
 subprocess over the same file and queries) and the Python ``find`` in this
-process, and prints the median p50/p99 of each with their ratio (DESIGN §9
-target: Python p50 <= 2 x Rust p50). Roots are built before timing, as a
-scheduler holds them.
+process, and prints the median p50/p99 of each with their ratio (target: Python
+p50 <= 2 x Rust p50; docs/design/README.md#performance-targets). Roots are built
+before timing, as a scheduler holds them.
 
 Usage: ``python ci/bench_directory.py DIR BENCH_BINARY``
 """

@@ -1,6 +1,7 @@
 """Service benchmark: store + retrieve of 64 MiB of pages through lease slots,
 copying from / to a numpy page pool, against a single-thread memcpy (numpy
-copyto) of the same bytes in the same run (DESIGN §9: ratio >= 0.8)."""
+copyto) of the same bytes in the same run (target: ratio >= 0.8, see
+docs/design/README.md#performance-targets)."""
 
 from __future__ import annotations
 

@@ -12,18 +12,26 @@ outside
     ``DESIGN I<n>``, ``spec/identity-and-index``, ``spec/storage-and-transfer``,
     ``spec/vllm-boundary-api`` and the bare names ``identity-and-index`` and
     ``storage-and-transfer``; ``vllm-boundary-api.md`` unless it is the in-repo
-    ``docs/design/vllm-boundary-api.md`` (or a relative link inside
-    ``docs/design/``); "spec §…", "storage §…"; and, in source files (not
+    ``docs/design/vllm-boundary-api.md`` (or a relative reference that resolves
+    to it from the file's directory, e.g. ``design/vllm-boundary-api.md`` in
+    ``docs/``); "spec §…", "storage §…"; and, in source files (not
     Markdown), a bare section sign ``§<n>`` whose line and the two lines
     before it name no ``.md`` document (it can only mean an outside spec).
 paths
     a Markdown link ``[text](path)`` (in ``.md`` and ``.ipynb`` files) whose
     target does not exist, and a backticked repository-relative path (its
     first component is a top-level directory of the repository, e.g.
-    ``docs/x.md``, ``rust/core/src/foo.rs``) that does not exist.
+    ``docs/x.md``, ``rust/core/src/foo.rs``) that does not exist. Top-level
+    directories are those holding tracked files, so ignored build output
+    (``target/``, ``.venv/``) neither adds nor hides findings.
 anchors
     a Markdown link ``path.md#anchor`` or ``#anchor`` whose anchor is not a
-    heading of the target (GitHub's heading slugs).
+    heading of the target (GitHub's heading slugs); and, in every scanned
+    file, a plain ``path.md#anchor`` (a code comment's
+    ``docs/design/transfers.md#backends``): its path, taken from the
+    repository root or else from the file's directory, must exist (a
+    ``paths`` finding when its first component is a top-level directory)
+    and its anchor must be a heading there.
 
 Usage::
 
@@ -73,6 +81,8 @@ OUTSIDE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
 ]
 BOUNDARY_SPEC = re.compile(r"(?<![\w/.-])(?:[\w./-]*/)?vllm-boundary-api\.md")
 BARE_SECTION = re.compile(r"§\s*\d")
+# A plain ``some/path.md#anchor`` (not a URL: nothing path-like right before it).
+PLAIN_ANCHORED = re.compile(r"(?<![\w./:-])((?:[\w.-]+/)*[\w.-]+\.md)#([A-Za-z0-9_-]+)")
 NAMES_A_DOC = re.compile(r"[\w./-]+\.md\b")
 
 MD_LINK = re.compile(
@@ -110,11 +120,15 @@ def repo_root(start: Path) -> Path:
 
 def tracked_files(root: Path) -> list[str]:
     """Tracked text files with a scanned extension, repository-relative."""
+    return sorted(n for n in all_tracked(root) if n.endswith(EXTENSIONS))
+
+
+def all_tracked(root: Path) -> list[str]:
+    """Every tracked path, repository-relative (any extension)."""
     out = subprocess.run(
         ["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True
     )
-    names = [n for n in out.stdout.decode("utf-8", "replace").split("\0") if n]
-    return sorted(n for n in names if n.endswith(EXTENSIONS))
+    return [n for n in out.stdout.decode("utf-8", "replace").split("\0") if n]
 
 
 def existing(root: Path, rel: str) -> bool:
@@ -176,7 +190,7 @@ def anchors_of(text: str) -> set[str]:
 
 def outside_refs(rel: str, lines: list[str]) -> Iterator[Finding]:
     """Rule ``outside``."""
-    in_design = rel.startswith("docs/design/")
+    base = os.path.dirname(rel)
     markdown = rel.endswith((".md", ".ipynb"))
     for no, line in enumerate(lines, 1):
         for pattern, message in OUTSIDE_PATTERNS:
@@ -191,8 +205,8 @@ def outside_refs(rel: str, lines: list[str]) -> Iterator[Finding]:
                     token == IN_REPO_BOUNDARY_SPEC or token.endswith("/" + IN_REPO_BOUNDARY_SPEC)
                 ):
                     continue
-                if in_design and token == "vllm-boundary-api.md":
-                    continue  # a relative reference inside docs/design/
+                if normalise(base, token) == IN_REPO_BOUNDARY_SPEC:
+                    continue  # a relative reference that resolves to it
                 yield Finding(
                     rel,
                     no,
@@ -307,6 +321,48 @@ def backticked_paths(
                 yield Finding(rel, no, "paths", f"{what} does not exist: {text!r}")
 
 
+def plain_anchored_refs(
+    root: Path,
+    rel: str,
+    lines: list[str],
+    rules: set[str],
+    top_dirs: set[str],
+    anchor_cache: dict[str, set[str]],
+) -> Iterator[Finding]:
+    """Rule ``anchors`` (and ``paths``) for plain ``path.md#anchor`` text.
+
+    Markdown links are left to :func:`link_refs`; this covers code comments,
+    docstrings and prose that name a heading of an in-repo document."""
+    base = os.path.dirname(rel)
+    markdown = rel.endswith((".md", ".ipynb"))
+    for no, line in enumerate(lines, 1):
+        for m in PLAIN_ANCHORED.finditer(line):
+            if markdown and line[: m.start()].endswith("]("):
+                continue  # a Markdown link's target: link_refs checks it
+            path_part, anchor = m.group(1), m.group(2)
+            candidates = [normalise("", path_part), normalise(base, path_part)]
+            resolved = next((c for c in candidates if c and existing(root, c)), None)
+            if resolved is None:
+                if "paths" in rules and path_part.split("/", 1)[0] in top_dirs:
+                    yield Finding(rel, no, "paths", f"file does not exist: {path_part!r}")
+                continue
+            if "anchors" not in rules:
+                continue
+            if resolved not in anchor_cache:
+                try:
+                    text = (root / resolved).read_text(encoding="utf-8")
+                except OSError:
+                    text = ""
+                anchor_cache[resolved] = anchors_of(text)
+            if anchor.lower() not in anchor_cache[resolved]:
+                yield Finding(rel, no, "anchors", f"no heading for anchor #{anchor} in {resolved}")
+
+
+def tracked_top_dirs(files: Iterable[str]) -> set[str]:
+    """Top-level directories that hold tracked files."""
+    return {f.split("/", 1)[0] for f in files if "/" in f}
+
+
 def check_file(
     root: Path,
     rel: str,
@@ -327,6 +383,8 @@ def check_file(
         found.extend(link_refs(root, rel, lines, rules, anchor_cache))
     if "paths" in rules:
         found.extend(backticked_paths(root, rel, lines, top_dirs))
+    if rules & {"paths", "anchors"}:
+        found.extend(plain_anchored_refs(root, rel, lines, rules, top_dirs, anchor_cache))
     # One finding per (line, rule, message).
     unique = {(f.line, f.rule, f.message): f for f in found}
     return sorted(unique.values(), key=lambda f: (f.line, f.rule, f.message))
@@ -354,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         root = repo_root(Path(args.root or "."))
         files = tracked_files(root)
+        everything = all_tracked(root)
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"check_refs: cannot list tracked files with git: {e}", file=sys.stderr)
         return 2
@@ -363,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             f for f in files if any(f == w or f.startswith(w.rstrip("/") + "/") for w in wanted)
         ]
     files = [f for f in files if f not in EXCLUDED]
-    top_dirs = {p.name for p in root.iterdir() if p.is_dir() and p.name != ".git"}
+    top_dirs = tracked_top_dirs(everything)
 
     findings: list[Finding] = []
     anchor_cache: dict[str, set[str]] = {}

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Lint everything: Rust formatting and clippy, Python ruff and mypy --strict,
-# and the _native.pyi stubs against the built extension. Fails on any finding.
+# Lint everything: references that leave the repository or dangle (check_refs),
+# Rust formatting and clippy, Python ruff and mypy --strict, and the _native.pyi
+# stubs against the built extension. Fails on any finding.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+echo "== references stay inside the repository (ci/check_refs.py)"
+python ci/check_refs.py
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"

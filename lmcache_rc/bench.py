@@ -4,7 +4,8 @@ Stores pages from a host page pool into an embedded sidecar's shared memory
 and restores them into a second pool with the cpu backend, through the real
 RPC path, with 1 and 2 copy threads, and prints each figure next to a
 single-thread memcpy (numpy ``copyto``) of the same bytes measured in the same
-run (DESIGN §9 targets: ratio ≥ 0.8 with one copy thread, ≥ 1.5 with two).
+run (targets: ratio ≥ 0.8 with one copy thread, ≥ 1.5 with two; see
+docs/design/README.md#performance-targets).
 Every restore is checked byte for byte. ``ci/bench.sh`` runs it, alongside the
 Rust benchmarks of the other parts.
 """

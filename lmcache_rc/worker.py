@@ -4,7 +4,7 @@ transfer engine.
 One :class:`CheckpointWorker` per worker rank binds the rank's KV memory and
 address-free byte layout, submits the scheduler's checkpoint tasks to an
 ``lmcache_rc.TransferEngine`` and reports exactly one boolean per task for
-the worker metadata (spec ``storage-and-transfer.md`` §7.4):
+the worker metadata (docs/design/transfers.md#the-connectors-task-protocol):
 
 * a task the engine refused (closing, unsafe, queue full) or that could not be
   submitted is reported ``False`` at the next :meth:`CheckpointWorker.collect`;
@@ -51,7 +51,8 @@ DIRECTIONS = ("STORE", "RETRIEVE")
 SEEN_TASK_IDS = 65536
 
 # Page pools of workers that turned unsafe: a copy may still write into them,
-# so they stay referenced until the process exits (spec §7.2).
+# so they stay referenced until the process exits (see
+# docs/design/transfers.md#the-unsafe-state-i5).
 _KEPT_UNTIL_EXIT: list[Any] = []
 
 

@@ -1,4 +1,4 @@
-"""A small pure-Python model of the identity scheme (spec identity-and-index.md §1).
+"""A small pure-Python model of the identity scheme (docs/design/identity.md).
 
 It follows the reference formulas literally (``hashlib``, ``struct``, CPython
 ``json.dumps``) and is itself checked against the golden vectors in

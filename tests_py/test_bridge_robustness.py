@@ -109,7 +109,8 @@ def test_unsupported_request_is_not_parked_as_a_capacity_waiter(
     consumer = sim_engine_factory(world_size=2, admission_api=True)
     turn2 = [*PROMPT, *out, 9]
     req = consumer.add_request("u", turn2, 3)
-    req.supports_boundary = False  # e.g. a resumable/streaming request (§2.4 supports_request)
+    # e.g. a resumable request (docs/design/vllm-boundary-api.md §2.4)
+    req.supports_boundary = False
     consumer.add_request("n", [*PROMPT, 1, 2], 3)
     consumer.run_until(
         lambda: consumer.result("u").finished and consumer.result("n").finished, timeout=5
@@ -129,7 +130,7 @@ def test_reused_id_is_not_parked_forever_behind_a_timed_out_copy(
     assert tasks is not None  # RETRIEVE sent; one rank wedges and never reports
     assert bridge.request_finished(old) == (False, None)
     new = Req("r", [*TOKENS, 2])
-    assert bridge.poll(new) is False  # draining, as §3 (e) asks
+    assert bridge.poll(new) is False  # draining, as docs/design/vllm-boundary-api.md §3 (e) asks
     clock.now += 10 * 30.0  # far past the task timeout
     admitted = any(bridge.poll(new) for _ in range(10))
     # the pages stay pinned (a rank may still write) but the new request must not hang
@@ -181,7 +182,7 @@ def test_a_burst_of_stores_within_max_tasks_is_not_refused_by_the_ranks(
     eng = sim_engine_factory(
         world_size=1, max_num_batched_tokens=4096, max_num_seqs=48, num_blocks=1024
     )
-    n = 40  # prompt stores in one step: < max_tasks (64), > max_pending (16)
+    n = 40  # prompt stores in one step: < max_tasks (64), > max_copies_per_rank (16)
     for i in range(n):
         eng.add_request(f"r{i}", [7000 + 16 * i + k for k in range(8)], 2)
     eng.run_until_idle(timeout=30)

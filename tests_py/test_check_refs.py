@@ -1,8 +1,6 @@
 """``ci/check_refs.py`` on small synthetic repositories: each rule finds what
-it should (outside references, dangling paths and anchors) and nothing else.
-
-The real tree is not checked here: until the outside references are rewritten
-the checker fails on it by design (see ``docs/design/README.md``)."""
+it should (outside references, dangling paths and anchors) and nothing else;
+and on this repository, where it must find nothing (``ci/lint.sh`` runs it)."""
 
 from __future__ import annotations
 
@@ -123,3 +121,66 @@ def test_slugs_follow_github() -> None:
     anchors = checker.anchors_of("# X\n## Same\n## Same\n```\n# not a heading\n```\n")
     assert {"x", "same", "same-1"} <= anchors
     assert "not-a-heading" not in anchors
+
+
+def test_this_repository_has_no_outside_or_dangling_references() -> None:
+    out = subprocess.run(
+        [sys.executable, str(CHECKER)],
+        cwd=CHECKER.parents[1],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (out.returncode, out.stdout) == (0, ""), out.stdout + out.stderr
+
+
+def test_a_relative_reference_to_the_in_repo_boundary_spec_passes(tmp_path: Path) -> None:
+    root = repo(
+        tmp_path,
+        {
+            "docs/design/vllm-boundary-api.md": "# Boundary\n",
+            "docs/testing.md": "Plays [the vLLM side](design/vllm-boundary-api.md) (§2.3).\n",
+            "docs/other.md": "Not `other/vllm-boundary-api.md`.\n",
+        },
+    )
+    code, lines = findings(root, "--rules", "outside")
+    assert code == 1
+    assert len(lines) == 1 and lines[0].startswith("docs/other.md:1: outside:"), lines
+
+
+def test_plain_anchored_references_in_code_are_checked(tmp_path: Path) -> None:
+    root = repo(
+        tmp_path,
+        {
+            "docs/design/t.md": "# T\n\n## RPC timeout reconciliation\n",
+            "rust/core/src/lib.rs": "\n".join(
+                [
+                    "//! Fine: `docs/design/t.md#rpc-timeout-reconciliation`.",
+                    "//! Stale anchor: docs/design/t.md#rpc-timeouts.",
+                    "//! Missing file: docs/design/gone.md#anything.",
+                    "//! Not a repository path: https://example.com/docs/x.md#y and t.md#z.",
+                ]
+            )
+            + "\n",
+            "lmcache_rc/x.py": '"""See docs/design/t.md#rpc-timeout-reconciliation."""\n',
+        },
+    )
+    code, lines = findings(root)
+    assert code == 1
+    assert lines == [
+        "rust/core/src/lib.rs:2: anchors: no heading for anchor #rpc-timeouts in docs/design/t.md",
+        "rust/core/src/lib.rs:3: paths: file does not exist: 'docs/design/gone.md'",
+    ]
+
+
+def test_untracked_top_level_directories_do_not_count(tmp_path: Path) -> None:
+    # A build directory (ignored, untracked) must neither add findings for
+    # paths under it nor hide them: `target/...` is not a repository path.
+    root = repo(tmp_path, {"README.md": "Installs into `target/vllm-site/`.\n"})
+    (root / "target").mkdir()
+    assert findings(root) == (0, [])
+    (root / "docs").mkdir()
+    (root / "docs" / "a.md").write_text("See `docs/missing.md`.\n", encoding="utf-8")
+    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True)
+    code, lines = findings(root)
+    assert code == 1 and lines == ["docs/a.md:1: paths: file does not exist: 'docs/missing.md'"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -83,7 +84,7 @@ UPSTREAM_CLASSMETHODS: dict[str, list[str]] = {
     "supports_request_boundary_checkpoints": ["vllm_config"],
 }
 
-# Boundary-checkpoint hooks of the local-inference-lab fork (spec §2.2).
+# Boundary-checkpoint hooks of the local-inference-lab fork (docs/design/vllm-boundary-api.md §2.2).
 FORK_HOOKS: dict[str, list[str]] = {
     "bind_boundary_checkpoint_cache": ["self", "manager"],
     "bind_boundary_checkpoint_state": ["self", "state"],
@@ -226,10 +227,43 @@ def test_defaults() -> None:
     )
     assert opts.lookup_timeout == 60.0 and opts.rpc_timeout == 30.0
     assert opts.max_lookup_attempts == 4 and opts.copy_workers == 2
-    assert opts.max_pending == 16 and opts.chunk_tokens == 4096
+    assert opts.max_copies_per_rank == 16 and opts.chunk_tokens == 4096
     for name, default in OPTION_DEFAULTS.items():
         if default is not None:
             assert getattr(opts, name) == default, name
+
+
+def test_max_copies_per_rank_is_read_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts = parse_options(extra(max_copies_per_rank=8), speculative=False)
+    assert opts.max_copies_per_rank == 8
+
+
+def test_the_old_name_max_pending_still_works_with_a_deprecation_warning() -> None:
+    with pytest.warns(FutureWarning, match=r"lmcache_rc\.max_pending is deprecated") as caught:
+        opts = parse_options(extra(max_pending=8), speculative=False)
+    assert opts.max_copies_per_rank == 8
+    message = str(caught[0].message)
+    assert "use lmcache_rc.max_copies_per_rank" in message and "--max-pending" in message
+    # The old name is checked like the new one (and the error names the new one).
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(InvalidConnectorConfig, match=r"lmcache_rc\.max_copies_per_rank"),
+    ):
+        parse_options(extra(max_pending=1, copy_workers=2), speculative=False)
+
+
+def test_the_old_and_new_name_together_are_refused() -> None:
+    with pytest.raises(InvalidConnectorConfig, match=r"max_pending and lmcache_rc\.max_copies"):
+        parse_options(extra(max_pending=8, max_copies_per_rank=8), speculative=False)
+
+
+def test_the_unknown_option_message_lists_the_new_name_only() -> None:
+    with pytest.raises(InvalidConnectorConfig) as info:
+        parse_options(extra(max_copies=8), speculative=False)
+    assert "lmcache_rc.max_copies_per_rank" in str(info.value)
+    assert "lmcache_rc.max_pending" not in str(info.value)
 
 
 def test_socket_defaults_to_the_sidecar_default() -> None:
@@ -272,7 +306,7 @@ def test_other_connectors_keys_are_ignored_and_identity_may_be_json() -> None:
         ({"max_lookup_attempts": 0}, "lmcache_rc.max_lookup_attempts"),
         ({"max_lookup_attempts": True}, "lmcache_rc.max_lookup_attempts"),
         ({"copy_workers": 2.5}, "lmcache_rc.copy_workers"),
-        ({"max_pending": 1, "copy_workers": 2}, "lmcache_rc.max_pending"),
+        ({"max_copies_per_rank": 1, "copy_workers": 2}, "lmcache_rc.max_copies_per_rank"),
         ({"chunk_tokens": 65537}, "lmcache_rc.chunk_tokens"),
         ({"socket": ""}, "lmcache_rc.socket"),
         ({"socket": 5}, "lmcache_rc.socket"),

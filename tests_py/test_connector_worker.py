@@ -1,7 +1,7 @@
 """The worker role of the connector, with a fake copy worker of the CheckpointWorker API.
 
-Covers storage-and-transfer §7.4: binding the page pool and layout, one layout
-report per rank, each task submitted once and reported once per rank, a
+Covers docs/design/transfers.md#the-connectors-task-protocol: binding the page
+pool and layout, one layout report per rank, each task submitted once and reported once per rank, a
 failure while creating the event or submitting marks only that task failed,
 an unbound rank refuses ("bound"), an unsafe worker is fatal, and layouts
 negotiated through the scheduler connector.
@@ -164,7 +164,7 @@ def step(connector: Connector, batch: Sequence[CheckpointEngineTask]) -> Any:
 
 
 def test_bind_starts_the_copy_worker_with_the_rank_pool_and_options() -> None:
-    connector = worker_connector(rank=1, copy_workers=3, max_pending=5, rpc_timeout=7.5)
+    connector = worker_connector(rank=1, copy_workers=3, max_copies_per_rank=5, rpc_timeout=7.5)
     state = State()
     connector.register_kv_caches({})
     connector.bind_boundary_checkpoint_state(state)
@@ -181,6 +181,14 @@ def test_bind_starts_the_copy_worker_with_the_rank_pool_and_options() -> None:
     assert state.initialized == [LAYOUT]
     with pytest.raises(RuntimeError, match="twice"):
         connector.bind_boundary_checkpoint_state(state)
+
+
+def test_the_deprecated_max_pending_option_still_bounds_the_rank_copy_engine() -> None:
+    with pytest.warns(FutureWarning, match="use lmcache_rc.max_copies_per_rank"):
+        connector = worker_connector(copy_workers=3, max_pending=5)
+    connector.register_kv_caches({})
+    connector.bind_boundary_checkpoint_state(State())
+    assert (fake(connector).args["workers"], fake(connector).args["max_pending"]) == (3, 5)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,6 @@
-"""rc.Directory through its public Python API (spec identity-and-index §2, DESIGN §6).
+"""rc.Directory through its public Python API.
+
+The contract: docs/design/manifests.md#the-directorys-contract.
 
 The Rust suite (tests_rs/index_*) pins the behaviour in depth; these tests prove
 the binding: types in and out, errors mapped to lmcache_rc.errors, restart via a

@@ -1,6 +1,6 @@
 """End to end: the real connector, worker and sidecar driven by the simulated engine.
 
-Covers the sequences of spec ``vllm-boundary-api.md`` §3 (a)-(f) for 1, 2 and 4
+Covers the sequences of ``docs/design/vllm-boundary-api.md`` §3 (a)-(f) for 1, 2 and 4
 ranks (and ranks in separate processes), multi-turn continuation, a shared
 system prompt and the write-once rule (an exact replay writes no payload bytes).
 Every restore is verified byte for byte inside the ranks; every continued

@@ -1,7 +1,8 @@
 """Property tests of the identity layer (mirrors tests_rs/identity_properties.rs).
 
 The extension is also compared with ``identity_model`` (a literal Python
-transcription of the spec, itself checked against the golden vectors).
+transcription of docs/design/identity.md, itself checked against the golden
+vectors).
 """
 
 from __future__ import annotations

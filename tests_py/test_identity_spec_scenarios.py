@@ -1,7 +1,8 @@
-"""The reference identity tests (spec identity-and-index.md §3.1, scenarios 1-6).
+"""The reference identity tests (docs/design/identity.md#reference-scenarios, items 1-6).
 
 Scenario 2 needs a directory in the reference; here it checks the roots/prefix
-relations that make the directory lookup work (§1.6), with the whole-token
+relations that make the directory lookup work
+(docs/design/identity.md#finding-a-stored-checkpoint), with the whole-token
 bucket match written out in Python.
 """
 
@@ -55,7 +56,10 @@ def test_namespace_separates_every_execution_discriminator() -> None:
 
 
 def _matches(stored: rc.Prefix, root: rc.Prefix) -> bool:
-    """Index rule (§1.6): same bucket and the stored tail is a whole-token prefix."""
+    """Index rule: same bucket and the stored tail is a whole-token prefix.
+
+    See docs/design/identity.md#finding-a-stored-checkpoint.
+    """
     return (
         stored.namespace == root.namespace
         and stored.start_tokens == root.start_tokens

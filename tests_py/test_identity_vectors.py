@@ -1,4 +1,4 @@
-"""Golden vectors (shared/vectors/identity-v1.json) reproduced through the Python API.
+"""Golden vectors (vectors/identity-v1.json) reproduced through the Python API.
 
 Every case of every section is checked; the one documented deviation
 (``lmcache_rc_deviations``: I4_scalars) must raise InvalidInput. Token cases run

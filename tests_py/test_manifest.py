@@ -1,7 +1,7 @@
 """Manifest validation, value semantics and page groups.
 
-Spec: identity-and-index.md §2.1 (envelope) and storage-and-transfer.md §1.2-§1.3
-(payload page groups).
+Design: docs/design/manifests.md#the-envelope-manifestnew (envelope) and
+docs/design/manifests.md#page-groups-payloadschemaparse (payload page groups).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """rc.Server (embedded) and rc.Client through Python: round trips through the
 client's own mapping of the pool, async futures, typed errors across the
 wire, the socket's permissions, restarts, and the GIL released while waiting
-(DESIGN §3, §6, I9)."""
+(docs/design/wire-protocol.md, docs/design/README.md#processes, invariant I9)."""
 
 from __future__ import annotations
 

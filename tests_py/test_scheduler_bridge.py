@@ -1,6 +1,6 @@
 """CheckpointSchedulerBridge against a fake vLLM allocator and a real embedded sidecar.
 
-Covers the scheduler-bridge scenarios of storage-and-transfer §12.3 that need no
+Covers the scheduler-bridge scenarios (docs/design/vllm-boundary-api.md §3 and §5) that need no
 simulated engine: identity and layout negotiation, LoRA, rank aggregation,
 BEGIN failure and timeout, lookups without a usable reply, the all-rank
 publish/discard rule, cancellation, reused request ids and the fallback to the

@@ -1,5 +1,5 @@
 """rc.CheckpointService through Python: the worker side played with numpy
-views of lease slots (DESIGN §6; spec storage-and-transfer §5)."""
+views of lease slots (docs/design/leases.md)."""
 
 from __future__ import annotations
 

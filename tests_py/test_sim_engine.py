@@ -1,7 +1,7 @@
 """The simulated engine on its own: toy model, allocator and cache semantics, local runs.
 
-No connector and no sidecar: these pin the vLLM-side contract (spec
-``vllm-boundary-api.md`` §2.3, §2.4, §2.6, §4) that the connector is tested against.
+No connector and no sidecar: these pin the vLLM-side contract
+(``docs/design/vllm-boundary-api.md`` §2.3, §2.4, §2.6, §4) that the connector is tested against.
 """
 
 from __future__ import annotations

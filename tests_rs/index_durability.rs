@@ -1,4 +1,4 @@
-//! The directory's write path (issue 16, `docs/design/directory.md`):
+//! The directory's write path (`docs/design/directory.md`):
 //! publications commit without an fsync, durable marks are batched and made
 //! durable by fsyncs shared between concurrent callers, and lookups read a
 //! `TokenRoots` in place with the same answers as its `Prefix` roots.

@@ -110,9 +110,9 @@ fn a_removed_generation_can_be_begun_again() {
     publish(&dir, &fixture("g"));
 }
 
-/// Spec §3.1 test 2: stored boundaries at 17, 4096, 8193 and 17408 of a
-/// 20000-token sequence are found by siblings sharing 18, 4096, 8960 and
-/// 18000 tokens.
+/// `docs/design/identity.md#reference-scenarios`, item 2: stored boundaries at
+/// 17, 4096, 8193 and 17408 of a 20000-token sequence are found by siblings
+/// sharing 18, 4096, 8960 and 18000 tokens.
 #[test]
 fn longest_prefix_lookup_crosses_chunk_boundaries() {
     let ns = "roots-namespace";

@@ -1,4 +1,5 @@
-//! The 18 reference directory tests (`spec/identity-and-index.md` §3.2), one
+//! The 18 reference directory tests
+//! (`docs/design/manifests.md#reference-directory-scenarios`), one
 //! Rust test each, named after the reference test.
 
 use std::sync::{Arc, Barrier};

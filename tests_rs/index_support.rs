@@ -1,6 +1,7 @@
 //! Fixtures shared by the `index_*` test modules (the reference test fixture of
-//! `spec/identity-and-index.md` §3.2: namespace "weights-layout-salt-a", start
-//! 4096, prefix hash 32 × 'a', tail (1, 2), world 4, schema-1 payload).
+//! `docs/design/manifests.md#reference-directory-scenarios`: namespace
+//! "weights-layout-salt-a", start 4096, prefix hash 32 × 'a', tail (1, 2),
+//! world 4, schema-1 payload).
 #![allow(dead_code)]
 
 use std::path::Path;

@@ -1,4 +1,4 @@
-//! Clear semantics (DESIGN §7): clear drops L1 copies; a listed generation
+//! Clear semantics (`docs/design/leases.md#clear`): clear drops L1 copies; a listed generation
 //! whose only copy of an object was L1 is retired in the same step;
 //! `all_tiers` also deletes L2 objects and retires what they backed;
 //! `force = false` keeps leased and pinned objects (and the pending

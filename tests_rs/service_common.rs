@@ -342,7 +342,8 @@ pub fn assert_idle(svc: &impl AsTarget) {
 }
 
 // ---------------------------------------------------------------------------
-// Helpers for the §12.1-style suites: manifests built from page-group specs,
+// Helpers for the suites built on the standard test manifest
+// (`docs/design/leases.md#the-standard-test-manifest`): manifests built from page-group specs,
 // bytes derived from each page's object key (so deduplicated pages agree
 // across generations), and probes of the service's tiers.
 
@@ -354,7 +355,7 @@ use lmcache_rc_core::service::object_keys;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::object_file_bytes;
 
-/// Namespace of the §12.1-style manifests (tests vary it for isolation).
+/// Namespace of the standard-style manifests (tests vary it for isolation).
 pub const NS: &str = "recurrent-sha256-v1:service-suite";
 
 /// How a page group's content keys are derived (schema 2).
@@ -444,7 +445,8 @@ pub fn build_manifest(
     Manifest::new(generation, prefix, world, payload).unwrap()
 }
 
-/// The page groups of the standard manifest of spec §12.1: attention 128 B x
+/// The page groups of the standard manifest
+/// (`docs/design/leases.md#the-standard-test-manifest`): attention 128 B x
 /// positions 0,1,2; recurrent 256 B x [16]; draft context 64 B x [7, 8];
 /// auxiliary 96 B x [0].
 pub fn standard_groups(kind: &str) -> Vec<GroupSpec> {
@@ -476,7 +478,8 @@ pub fn standard_groups(kind: &str) -> Vec<GroupSpec> {
     ]
 }
 
-/// The standard §12.1 manifest: world 4, [`standard_groups`], over `tokens`.
+/// The standard manifest (`docs/design/leases.md#the-standard-test-manifest`):
+/// world 4, [`standard_groups`], over `tokens`.
 pub fn standard(ns: &str, tokens: &[u32], kind: &str, schema: u8) -> Manifest {
     build_manifest(ns, tokens, 4, &standard_groups(kind), schema, kind)
 }

@@ -3,7 +3,8 @@
 //! durable; after a restart only complete, verified generations are listed
 //! (I1, I8), every generation whose durable flag reached the directory is
 //! among them (its objects were fsynced before the flag was committed), and
-//! every listed one restores byte-exact for every rank (spec §10).
+//! every listed one restores byte-exact for every rank (`docs/design/leases.md#restart`,
+//! `docs/design/l2-format.md#start-up-reconciliation-service`).
 //!
 //! The child is this test binary re-invoked with `LMRC_CRASH_CHILD` set, so
 //! that `child_loop` runs a store loop until it is killed.

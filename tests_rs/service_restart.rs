@@ -1,4 +1,6 @@
-//! Restart reconciliation (DESIGN §5, I7, I8; spec §10): at start-up the
+//! Restart reconciliation (`docs/design/l2-format.md#start-up-reconciliation-service`;
+//! I7, I8 of `docs/design/README.md#invariants`; the "restart" row of
+//! `docs/design/README.md#where-lmcache-rc-differs-from-the-reference`): at start-up the
 //! directory is reconciled with the L2 files. Objects no listed generation
 //! references are deleted; a generation with a missing or corrupt (wrong
 //! size or header) object file is retired; payload checksum errors are found

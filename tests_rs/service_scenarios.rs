@@ -1,4 +1,4 @@
-//! The reference scenarios of the storage spec (§12.1) with the standard
+//! The reference scenarios (`docs/design/leases.md#the-standard-test-manifest`) with the standard
 //! manifest (world 4; 128/256/64/96-byte page groups). Each scenario is named
 //! after the rule it checks and runs twice: on the service in process and
 //! over the socket (see `service_common::Target`).

@@ -1,4 +1,4 @@
-//! Helpers for the transfer-engine suites (spec §6.2, §7, §9): a host page
+//! Helpers for the transfer-engine suites (`docs/design/transfers.md`): a host page
 //! pool (the numpy array a cpu worker binds), workers (engine + cpu backend +
 //! pool) against an in-process service or a real RPC server, manifests whose
 //! page groups all have the pool's row width, and [`Scripted`], a `LeaseApi`

@@ -1,4 +1,5 @@
-//! The CUDA backend loads its driver at run time (spec §9.1): on a host
+//! The CUDA backend loads its driver at run time
+//! (`docs/design/transfers.md#backends`): on a host
 //! without the driver, probing it and constructing a backend are
 //! `Error::Device` naming the library, never a panic. CI has no GPU; where a
 //! driver is present the driver-specific assertions are skipped with a note.

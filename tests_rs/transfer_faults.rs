@@ -1,10 +1,11 @@
-//! Lease replies and copies that go wrong (spec §7.2, §7.3, §9.2 failure
-//! classes): busy retries are bounded; a pending restore is cancelled once;
-//! a copy that may still be in flight, an unreconciled finish and an
-//! unreconciled lease reply make the engine unsafe (lease kept, admission
-//! stopped, close fails); a late lease reply is released unused (a drained
-//! timeout, recoverable); ordinary errors fail the job and leave the engine
-//! usable.
+//! Lease replies and copies that go wrong
+//! (`docs/design/transfers.md#outcomes-and-failure-classes`,
+//! `docs/design/transfers.md#rpc-timeout-reconciliation`): busy retries are
+//! bounded; a pending restore is cancelled once; a copy that may still be in
+//! flight, an unreconciled finish and an unreconciled lease reply make the
+//! engine unsafe (lease kept, admission stopped, close fails); a late lease
+//! reply is released unused (a drained timeout, recoverable); ordinary errors
+//! fail the job and leave the engine usable.
 
 use std::time::Duration;
 
@@ -378,7 +379,8 @@ fn a_poll_reply_that_never_arrives_makes_the_engine_unsafe() {
 
 #[test]
 fn a_begin_retrieve_reply_that_never_arrives_is_a_miss() {
-    // A pending lookup exposes no bytes: losing it is never fatal (§7.3 LATER).
+    // A pending lookup exposes no bytes: losing it is never fatal
+    // (docs/design/transfers.md#rpc-timeout-reconciliation, the begin_retrieve row).
     let (svc, api) = scripted_service("flt-lost-begin");
     let worker = Worker::scripted(&api, FAST);
     let m = tgen(18_000, 40, 1);

@@ -1,8 +1,8 @@
-//! The engine follows the sidecar's pool across restarts (spec §6.2
-//! `is_current`/`remap`, §9.2 step 6), against real RPC servers: a pool
-//! recreated between leases is mapped again before the next copy; a pool
-//! replaced after the mapping but before the copy fails that lease
-//! ("replaced") with nothing written or published; a sidecar that is down
+//! The engine follows the sidecar's pool across restarts
+//! (`docs/design/transfers.md#2-map-the-pool`, `is_current`/`remap`), against
+//! real RPC servers: a pool recreated between leases is mapped again before the
+//! next copy; a pool replaced after the mapping but before the copy fails that
+//! lease ("replaced") with nothing written or published; a sidecar that is down
 //! fails jobs recoverably until it is back.
 
 use std::path::PathBuf;

@@ -1,9 +1,10 @@
-//! The transfer engine moves pages byte-exact both ways (spec §7.1, §7.2,
-//! §9.2): through an in-process service and through a real RPC server, for
-//! one and four ranks; every job resolves exactly once; the service is idle
-//! afterwards; deduplicated store pages are skipped yet restore; admission is
-//! bounded by `max_pending` and stops after close or when unsafe; invalid
-//! submissions are errors, not refusals.
+//! The transfer engine moves pages byte-exact both ways
+//! (`docs/design/transfers.md#jobs`, `docs/design/transfers.md#pipeline`):
+//! through an in-process service and through a real RPC server, for one and
+//! four ranks; every job resolves exactly once; the service is idle afterwards;
+//! deduplicated store pages are skipped yet restore; admission is bounded by
+//! `max_pending` and stops after close or when unsafe; invalid submissions are
+//! errors, not refusals.
 
 use std::sync::Arc;
 

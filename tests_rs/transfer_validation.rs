@@ -1,4 +1,6 @@
-//! Nothing moves unless the whole transfer is valid (spec §6.2, §9.2).
+//! Nothing moves unless the whole transfer is valid
+//! (`docs/design/transfers.md#1-check-before-any-lease`,
+//! `docs/design/transfers.md#4-validate-the-lease-planplan_copy`).
 //!
 //! A malformed lease (foreign pool, wrong width, out of bounds, overlapping
 //! slots, wrong group or slot counts, a retrieve slot without bytes) is

@@ -354,10 +354,10 @@ def test_restores_beyond_the_copy_queue_wait_instead_of_failing(
     make_engine: EngineFactory,
 ) -> None:
     prompts = [tokens(30 + i, 70) for i in range(4)]
-    a = make_engine(copy_workers=1, max_pending=1)
+    a = make_engine(copy_workers=1, max_copies_per_rank=1)
     for i, p in enumerate(prompts):
         a.generate(f"a{i}", p, 2)
-    b = make_engine(copy_workers=1, max_pending=1)
+    b = make_engine(copy_workers=1, max_copies_per_rank=1)
     for i, p in enumerate(prompts):
         b.add(f"b{i}", p, 2)  # four restores at once against a queue of one
     b.run()

@@ -1,6 +1,6 @@
 """Test support for lmcache-rc: a CPU simulated hybrid vLLM engine and pytest fixtures.
 
-:class:`SimEngine` plays the vLLM side of ``spec/vllm-boundary-api.md`` (allocator,
+:class:`SimEngine` plays the vLLM side of ``docs/design/vllm-boundary-api.md`` (allocator,
 boundary-checkpoint cache, the per-step hook order, N worker ranks with numpy page
 pools, in threads or processes) around the real
 :class:`lmcache_rc.connector.LMCacheRecurrentCheckpointConnector`, with a

@@ -1,8 +1,8 @@
 """The simulated vLLM allocator: block pool, boundary-checkpoint cache, KV cache manager.
 
 What it owns: a CPU re-implementation of the scheduler-side objects a
-boundary-checkpoint connector calls (spec ``vllm-boundary-api.md`` §2.3, §2.4,
-§2.6 and the "Allocator" items of §4): a block pool with the null block 0,
+boundary-checkpoint connector calls (``docs/design/vllm-boundary-api.md`` §2.3, §2.4,
+§2.6 and the allocator item of §4): a block pool with the null block 0,
 reference counts and an LRU queue of free-but-cached blocks whose reuse
 invalidates the checkpoints depending on them; :class:`BoundaryCheckpointCache`
 with staged/published/discarded/invalidated bundles and exact-prefix lookup; and
@@ -53,7 +53,9 @@ _arrival = itertools.count()
 
 @dataclass(eq=False)
 class SimRequest:
-    """The fields of ``vllm.v1.request.Request`` the allocator and connector read (§2.3).
+    """The fields of ``vllm.v1.request.Request`` the allocator and connector read.
+
+    See docs/design/vllm-boundary-api.md §2.3 (its last paragraph).
 
     ``max_new_tokens`` stops generation (the toy model has no EOS);
     ``instruction_boundary`` (if set) makes the engine end a prefill chunk there
@@ -223,7 +225,10 @@ class BlockPool:
 
 @dataclass(frozen=True)
 class BoundaryCheckpoint:
-    """``vllm.v1.core.boundary_checkpoint.BoundaryCheckpoint`` (§2.4)."""
+    """``vllm.v1.core.boundary_checkpoint.BoundaryCheckpoint``.
+
+    See docs/design/vllm-boundary-api.md §2.4.
+    """
 
     checkpoint_id: int
     num_tokens: int
@@ -567,7 +572,10 @@ class SimKVCacheManager:
         return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
 
     def boundary_checkpoint_page_positions(self, num_tokens: int) -> tuple[tuple[int, ...], ...]:
-        """Logical page indices per KV group for a checkpoint of ``num_tokens`` (§2.3)."""
+        """Logical page indices per KV group for a checkpoint of ``num_tokens``.
+
+        See docs/design/vllm-boundary-api.md §2.3.
+        """
         return self.geometry.page_positions(num_tokens)
 
     def request_block_tables(self, request_id: str) -> list[list[int]]:
@@ -813,7 +821,10 @@ class SimKVCacheManager:
         kind: str,
         num_ranks: int,
     ) -> BoundaryCheckpoint | None:
-        """Allocate fresh pages and stage a private import for ``request`` (§2.3)."""
+        """Allocate fresh pages and stage a private import for ``request``.
+
+        See docs/design/vllm-boundary-api.md §2.3.
+        """
         positions = self._validate_reserve(
             request, num_tokens, page_positions, draft_prefix_len, kind, num_ranks
         )
@@ -871,7 +882,9 @@ class SimKVCacheManager:
 
 
 class SimAdmissionKVCacheManager(SimKVCacheManager):
-    """The newer allocator with restore-admission reservations (§2.3, §2.6 item 6) [T].
+    """The newer allocator with restore-admission reservations [T].
+
+    See docs/design/vllm-boundary-api.md §2.3 and §2.6 item 6 (its introduction explains [T]).
 
     Simplified: a reservation is a slot keyed by request id; after publication
     the consumer *owns* the restored pages (an extra pin) until it is admitted or

@@ -1,4 +1,6 @@
-"""Simulated vLLM configuration objects and the connector factory (spec §1.1, §2.1, §4).
+"""Simulated vLLM configuration objects and the connector factory.
+
+See docs/design/vllm-boundary-api.md §1.1, §2.1 and §4.
 
 What it owns: picklable stand-ins for ``VllmConfig`` and its sub-configs with the
 fields the connector reads (``kv_transfer_config.get_from_extra_config``,
@@ -43,7 +45,10 @@ def _hash(value: Any) -> str:
 
 @dataclass
 class SimKVTransferConfig:
-    """``KVTransferConfig`` stand-in (§1.1); ``kv_role`` is required with a connector."""
+    """``KVTransferConfig`` stand-in; ``kv_role`` is required with a connector.
+
+    See docs/design/vllm-boundary-api.md §1.1.
+    """
 
     kv_connector: str | None = None
     kv_connector_module_path: str | None = None
@@ -150,7 +155,7 @@ class SimCacheConfig:
 
 @dataclass
 class SimVllmConfig:
-    """``VllmConfig`` stand-in (§4 "Configuration and construction").
+    """``VllmConfig`` stand-in (docs/design/vllm-boundary-api.md §4, its first bullet).
 
     ``boundary_checkpoints_requested`` plays the fork's gating conditions other
     than the connector (policy, prefix caching, model type, ...).
@@ -188,7 +193,7 @@ class SimVllmConfig:
 
     @property
     def use_request_boundary_checkpoints(self) -> bool:
-        """Re-evaluated on each access, like the fork (§2.1)."""
+        """Re-evaluated on each access, like the fork (docs/design/vllm-boundary-api.md §2.1)."""
         if not self.boundary_checkpoints_requested or self.lora_config is not None:
             return False
         if not self.cache_config.enable_prefix_caching:
@@ -203,7 +208,10 @@ class SimVllmConfig:
 
 
 def get_connector_class(kv_transfer_config: SimKVTransferConfig) -> type[Any]:
-    """Import ``kv_connector`` from ``kv_connector_module_path`` (§1.1 factory rules)."""
+    """Import ``kv_connector`` from ``kv_connector_module_path``.
+
+    The factory rules of docs/design/vllm-boundary-api.md §1.1.
+    """
     name = kv_transfer_config.kv_connector
     path = kv_transfer_config.kv_connector_module_path
     if not name:

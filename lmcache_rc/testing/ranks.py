@@ -4,11 +4,12 @@ What it owns: :class:`RankRunner` (one rank: a numpy uint8 page pool
 ``[num_blocks, page_bytes]`` with the null block 0, a fake
 ``BoundaryCheckpointState``, its own WORKER-role connector, the toy forward that
 writes pages, endpoint capture, byte-for-byte verification of every restored
-bundle, and the §1.4 wrapper call order), the step messages the scheduler sends
-(:class:`StepInput`) and gets back (:class:`RankOutput`), fault injection at the
-copy-worker boundary (:class:`FaultRule`), and two ways to host ranks: threads
-of the calling process or separate processes (``spawn``/``forkserver``), each
-process creating its own connector.
+bundle, and the worker call order of ``docs/design/vllm-boundary-api.md`` §1.4
+step 2), the step messages the scheduler sends (:class:`StepInput`) and gets
+back (:class:`RankOutput`), fault injection at the copy-worker boundary
+(:class:`FaultRule`), and two ways to host ranks: threads of the calling process
+or separate processes (``spawn``/``forkserver``), each process creating its own
+connector.
 
 Why: a rank is where vLLM hands page memory to the connector; simulating it
 with real bytes lets tests prove that restores are exact and that copies never
@@ -208,7 +209,10 @@ class FaultyCopyWorker:
 
 
 class SimBoundaryCheckpointState:
-    """Fake ``BoundaryCheckpointState`` (§2.5): a host page pool and an address-free layout."""
+    """Fake ``BoundaryCheckpointState``: a host page pool and an address-free layout.
+
+    See docs/design/vllm-boundary-api.md §2.5.
+    """
 
     def __init__(self, pool: npt.NDArray[np.uint8], layout: Mapping[str, Any]) -> None:
         self._pool = pool
@@ -345,7 +349,9 @@ class RankRunner:
             self.connector = create_connector(
                 config, KVConnectorRole.WORKER, kv_cache_config, cls=cls
             )
-            # startup order (§4): register_kv_caches → bind_boundary_checkpoint_state
+            # startup order (docs/design/vllm-boundary-api.md §1.1 and the
+            # bind_boundary_checkpoint_state row of §2.2): register_kv_caches →
+            # bind_boundary_checkpoint_state
             self.connector.register_kv_caches(
                 {g.layer_names[0]: self.pool for g in kv_cache_config.kv_cache_groups}
             )
@@ -415,7 +421,7 @@ class RankRunner:
 
     # ---------------------------------------------------------------- step
     def execute(self, step: StepInput) -> RankOutput:
-        """Run one step in the wrapper order of spec §1.4."""
+        """Run one step in the worker call order of docs/design/vllm-boundary-api.md §1.4 step 2."""
         for rid in step.finished_req_ids | step.preempted_req_ids:
             self.requests.pop(rid, None)
         conn = self.connector

@@ -1,7 +1,7 @@
 """``SimEngine``: a CPU simulated hybrid vLLM engine that drives a connector like vLLM does.
 
 What it owns: the scheduler side of one engine (requests, the per-step call
-order of spec ``vllm-boundary-api.md`` §1.4 and the boundary hooks of §2.2, the
+order of ``docs/design/vllm-boundary-api.md`` §1.4 and the boundary hooks of §2.2, the
 allocator of :mod:`lmcache_rc.testing.allocator`), N worker ranks
 (:mod:`lmcache_rc.testing.ranks`, threads or processes, each with its own
 WORKER-role connector and numpy page pool), rank-order aggregation of worker
@@ -88,7 +88,10 @@ def _table(rows: Mapping[str, Any], title: str) -> str:
 
 @dataclass
 class SimKVConnectorOutput:
-    """``KVConnectorOutput`` (§1.4) aggregated across ranks in rank order."""
+    """``KVConnectorOutput`` aggregated across ranks in rank order.
+
+    See docs/design/vllm-boundary-api.md §1.4 step 3.
+    """
 
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
@@ -319,7 +322,8 @@ class SimEngine:
         self.connector: Any = None
         self._closed = False
         try:
-            # 1. workers first (§1.1 construction order), each with its own connector
+            # 1. workers first (construction order of docs/design/vllm-boundary-api.md §1.1),
+            # each with its own connector
             if rank_mode == "thread":
                 self._executor = ThreadPoolExecutor(
                     max_workers=world_size, thread_name_prefix="lmcache-rc-sim-rank"
@@ -594,7 +598,10 @@ class SimEngine:
         new_reqs: list[NewRequestData],
         work: list[ScheduledWork],
     ) -> int | None:
-        """The waiting-loop body of §1.4 step 3; None = request stays waiting."""
+        """The waiting-loop body of docs/design/vllm-boundary-api.md §1.4 step 1.
+
+        None = the request stays waiting.
+        """
         mgr, conn = self.manager, self.connector
         if req.num_computed_tokens == 0 and mgr.boundary_checkpoints is not None:
             if conn is not None and not conn.poll_boundary_checkpoint(req):

@@ -3,8 +3,8 @@
 What it owns: the KV-cache group specs of a simulated hybrid model
 (:class:`FullAttentionSpec`, :class:`SlidingWindowSpec`, :class:`MambaSpec`, named
 as in vLLM so :func:`lmcache_rc.vllm_api.is_recurrent_group` classifies them), the
-geometry that derives page positions from them (spec ``vllm-boundary-api.md`` §4
-"Hybrid geometry"), and the page contents: attention pages, recurrent state pages
+geometry that derives page positions from them (``docs/design/vllm-boundary-api.md`` §4,
+the toy hybrid model, and §2.3), and the page contents: attention pages, recurrent state pages
 and the auxiliary (draft) page are hash expansions of (rank shard, group,
 position, token-prefix digest), and the next token is a hash of the recurrent
 state and auxiliary bytes.
@@ -137,7 +137,10 @@ class HybridGeometry:
         return num_tokens
 
     def page_positions(self, num_tokens: int) -> tuple[tuple[int, ...], ...]:
-        """Logical page positions per group of a checkpoint of ``num_tokens`` (spec §2.3)."""
+        """Logical page positions per group of a checkpoint of ``num_tokens``.
+
+        See docs/design/vllm-boundary-api.md §2.3.
+        """
         if not 0 < num_tokens <= self.max_model_len:
             raise ValueError(f"num_tokens must be in (0, {self.max_model_len}], got {num_tokens}")
         out: list[tuple[int, ...]] = []
@@ -155,7 +158,9 @@ class HybridGeometry:
         return tuple(out)
 
     def layout(self) -> dict[str, Any]:
-        """The address-free, capacity-free worker layout descriptor (spec §2.5).
+        """The address-free, capacity-free worker layout descriptor.
+
+        See docs/design/vllm-boundary-api.md §2.5.
 
         ``schema_version``, ``page_bytes``, one byte view per group, the
         auxiliary fields, ``target_hidden`` and ``draft_hidden`` (MTP-style

@@ -86,7 +86,10 @@ AuxiliaryGroupName = "target-draft-auxiliary"
 
 
 def engine_group_name(group_index: int) -> str:
-    """Manifest page-group name of vLLM KV-cache group ``group_index`` (storage spec §1.3)."""
+    """Manifest page-group name of vLLM KV-cache group ``group_index``.
+
+    See docs/design/manifests.md#what-each-mode-writes.
+    """
     return f"engine-kv-group:{group_index}"
 
 
@@ -134,10 +137,11 @@ except ImportError:
             """Fold ``other`` (a later rank) into this object and return the result."""
 
     class KVConnectorBase_V1(ABC):  # type: ignore[no-redef]
-        """Stand-in for vLLM's connector base (§1.1): stores config and role.
+        """Stand-in for vLLM's connector base: stores config and role.
 
-        Only the constructor contract and the defaults the spec names are
-        reproduced; a connector overrides what it uses.
+        Only the constructor contract (docs/design/vllm-boundary-api.md §1.1) and the
+        defaults §1.2-§1.3 name are reproduced; a connector overrides what it
+        uses.
         """
 
         def __init__(
@@ -292,7 +296,10 @@ except ImportError:
             """Scheduler → worker metadata of this step (every ``schedule()``)."""
 
     class SupportsHMA(ABC):  # type: ignore[no-redef]
-        """Stand-in for vLLM's hybrid-memory-allocator mix-in (§1.3)."""
+        """Stand-in for vLLM's hybrid-memory-allocator mix-in.
+
+        See docs/design/vllm-boundary-api.md §1.3.
+        """
 
         @abstractmethod
         def request_finished_all_groups(
@@ -306,7 +313,10 @@ except ImportError:
 
 @runtime_checkable
 class KVTransferConfig(Protocol):
-    """``vllm.config.KVTransferConfig`` fields the connector reads (§1.1)."""
+    """``vllm.config.KVTransferConfig`` fields the connector reads.
+
+    See docs/design/vllm-boundary-api.md §1.1.
+    """
 
     kv_connector: str | None
     kv_connector_module_path: str | None
@@ -361,7 +371,7 @@ class SchedulerConfig(Protocol):
 
 
 class VllmConfig(Protocol):
-    """``vllm.config.VllmConfig`` subset (§1.1, §2.1, §4 checklist)."""
+    """``vllm.config.VllmConfig`` subset (docs/design/vllm-boundary-api.md §1.1, §2.1, §4)."""
 
     kv_transfer_config: KVTransferConfig | None
     parallel_config: ParallelConfig
@@ -375,7 +385,10 @@ class VllmConfig(Protocol):
 
     @property
     def use_request_boundary_checkpoints(self) -> bool:
-        """Whether boundary checkpoints are on (consults the connector class, §2.1)."""
+        """Whether boundary checkpoints are on (consults the connector class).
+
+        See docs/design/vllm-boundary-api.md §2.1.
+        """
         ...
 
 
@@ -392,7 +405,10 @@ def worker_rank(vllm_config: Any) -> int:
 
 
 class Request(Protocol):
-    """``vllm.v1.request.Request`` fields the connector reads (§2.3)."""
+    """``vllm.v1.request.Request`` fields the connector reads.
+
+    See docs/design/vllm-boundary-api.md §2.3.
+    """
 
     request_id: str
     lora_request: Any | None
@@ -418,7 +434,10 @@ class Request(Protocol):
 
 
 class BoundaryCheckpoint(Protocol):
-    """``vllm.v1.core.boundary_checkpoint.BoundaryCheckpoint`` (frozen dataclass, §2.4)."""
+    """``vllm.v1.core.boundary_checkpoint.BoundaryCheckpoint`` (frozen dataclass).
+
+    See docs/design/vllm-boundary-api.md §2.4.
+    """
 
     @property
     def checkpoint_id(self) -> int:
@@ -457,11 +476,14 @@ class BoundaryCheckpoint(Protocol):
 
 
 class BoundaryCheckpointCache(Protocol):
-    """``manager.boundary_checkpoints`` (§2.4)."""
+    """``manager.boundary_checkpoints`` (docs/design/vllm-boundary-api.md §2.4)."""
 
     def supports_request(self, request: Any) -> bool:
-        """Whether boundary checkpoints apply to ``request`` at all (spec §2.4;
-        false e.g. for prompt embeddings or resumable requests)."""
+        """Whether boundary checkpoints apply to ``request`` at all.
+
+        False e.g. for prompt embeddings or resumable requests
+        (docs/design/vllm-boundary-api.md §2.4).
+        """
         ...
 
     def find(self, request: Any, max_length: int) -> BoundaryCheckpoint | None:
@@ -625,7 +647,10 @@ def is_recurrent_group(group: KVCacheGroupSpec) -> bool:
 
 
 class KVCacheManager(Protocol):
-    """``vllm.v1.core.kv_cache_manager.KVCacheManager`` boundary subset (§2.3, legacy #709).
+    """``vllm.v1.core.kv_cache_manager.KVCacheManager`` boundary subset.
+
+    See docs/design/vllm-boundary-api.md §2.3; its introduction explains the
+    "legacy #709" allocator.
 
     The newer restore-admission methods are listed in :data:`ADMISSION_METHODS`;
     detect them with :func:`supports_admission_api`.
@@ -687,7 +712,9 @@ ADMISSION_METHODS: tuple[str, ...] = (
 
 
 def supports_admission_api(manager: Any) -> bool:
-    """Whether ``manager`` has the restore-admission reservation API (§2.3).
+    """Whether ``manager`` has the restore-admission reservation API.
+
+    See docs/design/vllm-boundary-api.md §2.3.
 
     Mirrors the reference detection: the three methods of
     :data:`ADMISSION_METHODS` are callable and
@@ -727,7 +754,10 @@ class SchedulerOutput(Protocol):
 
 
 class KVConnectorOutput(Protocol):
-    """``vllm.v1.outputs.KVConnectorOutput`` (§1.4), aggregated across ranks."""
+    """``vllm.v1.outputs.KVConnectorOutput``, aggregated across ranks.
+
+    See docs/design/vllm-boundary-api.md §1.4 step 3.
+    """
 
     finished_sending: set[str] | None
     finished_recving: set[str] | None
@@ -766,7 +796,10 @@ def has_upstream_api() -> bool:
 
 
 class BoundaryCheckpointState(Protocol):
-    """``vllm.v1.worker.gpu.boundary_checkpoint.BoundaryCheckpointState`` connector view (§2.5)."""
+    """``vllm.v1.worker.gpu.boundary_checkpoint.BoundaryCheckpointState`` connector view.
+
+    See docs/design/vllm-boundary-api.md §2.5.
+    """
 
     def get_external_checkpoint_page_pool(self) -> Any:
         """uint8 ``[num_blocks, page_bytes]`` contiguous pool; row 0 is the null block."""
@@ -786,7 +819,9 @@ class BoundaryCheckpointState(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointEngineTask:
-    """One copy task, scheduler → every worker rank, emitted exactly once (storage §7.4).
+    """One copy task, scheduler → every worker rank, emitted exactly once.
+
+    See docs/design/transfers.md#the-connectors-task-protocol.
 
     ``block_ids``: physical page ids per manifest group, in position order
     (boundary mode: the auxiliary page group last). In upstream mode a

@@ -3,13 +3,14 @@
 This is the mode for the local-inference-lab fork of vLLM, whose allocator
 commits request-boundary checkpoints (``docs/design/vllm-boundary-api.md``).
 
-What it owns (``spec/storage-and-transfer.md`` §7.4-§7.5, ``spec/vllm-boundary-api.md``
-§2-§3): the checkpoint identity of this engine (namespace per cache salt), layout
-negotiation with every worker rank, directory lookups for waiting requests with
-a timeout and up to ``max_lookup_attempts`` attempts, reservation of private
-destination bundles through vLLM's allocator, pinning and manifest building for
-stores, the copy tasks sent to the workers (each exactly once), all-rank
-completion (publish or discard), cancellation and reused request ids.
+What it owns (docs/design/transfers.md#the-connectors-task-protocol, and
+``docs/design/vllm-boundary-api.md`` §2-§3 and §5): the checkpoint identity of
+this engine (namespace per cache salt), layout negotiation with every worker
+rank, directory lookups for waiting requests with a timeout and up to
+``max_lookup_attempts`` attempts, reservation of private destination bundles
+through vLLM's allocator, pinning and manifest building for stores, the copy
+tasks sent to the workers (each exactly once), all-rank completion (publish or
+discard), cancellation and reused request ids.
 
 What it must never do: block the scheduler on the sidecar (every RPC is an
 ``*_async`` future polled once per step), publish or discard an import before
@@ -177,8 +178,8 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         self._max_attempts = max_lookup_attempts
         self._max_tasks = max_tasks
         # Tasks sent to the ranks and not yet reported by all of them: never
-        # more than each rank's copy queue admits (its max_pending), or the
-        # surplus would be refused there and reported as failed.
+        # more than each rank's copy queue admits (lmcache_rc.max_copies_per_rank),
+        # or the surplus would be refused there and reported as failed.
         self._max_in_flight = max_tasks if max_in_flight is None else max_in_flight
         if self._max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
@@ -370,7 +371,10 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         return 0 if local is None else int(local.num_tokens)
 
     def _validate_found(self, request: Any, manifest: rc.Manifest) -> _Found | None:
-        """Checks a FIND answer against this engine (identity-and-index §1.12)."""
+        """Checks a FIND answer against this engine.
+
+        See docs/design/manifests.md#checking-a-find-answer.
+        """
         rid = request.request_id
         try:
             n = check_found_prefix(

@@ -481,7 +481,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             begin_timeout=o.begin_timeout,
             max_lookup_attempts=o.max_lookup_attempts,
             max_tasks=o.max_tasks,
-            max_in_flight=o.max_pending,
+            max_in_flight=o.max_copies_per_rank,
             task_timeout=o.task_timeout or None,
             layout_timeout=o.layout_timeout or None,
             clock=self.clock,

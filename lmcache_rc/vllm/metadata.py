@@ -27,7 +27,8 @@ __all__ = ["CheckpointConnectorMetadata", "CheckpointWorkerMetadata"]
 
 class CheckpointConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Scheduler → every worker rank, once per step: the copy tasks admitted in
-    this step. Each task appears in exactly one step's metadata (storage §7.4)."""
+    this step. Each task appears in exactly one step's metadata (see
+    docs/design/transfers.md#the-connectors-task-protocol)."""
 
     def __init__(self, tasks: Sequence[CheckpointEngineTask] = ()) -> None:
         self.tasks: tuple[CheckpointEngineTask, ...] = tuple(tasks)

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from lmcache_rc import errors
 from lmcache_rc.config import default_socket_path
 
 __all__ = [
+    "DEPRECATED_OPTIONS",
     "OPTION_DEFAULTS",
     "OPTION_PREFIX",
     "STORE_PROMPT",
@@ -46,7 +48,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "connect_timeout": 10.0,
     "max_lookup_attempts": 4,
     "copy_workers": 2,
-    "max_pending": 16,
+    "max_copies_per_rank": 16,
     "chunk_tokens": 4096,
     "max_tasks": 64,
     "task_timeout": 300.0,
@@ -57,6 +59,18 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "store_response": True,
 }
 """Every option (without the ``lmcache_rc.`` prefix) and its default."""
+
+DEPRECATED_OPTIONS: Mapping[str, tuple[str, str]] = {
+    "max_pending": (
+        "max_copies_per_rank",
+        "it bounds the copies queued or running per worker rank; the sidecar's "
+        "--max-pending is another setting",
+    ),
+}
+"""Old option names (without the prefix) still accepted, each with a
+``FutureWarning``: the option each is now, and why it was renamed.
+``max_pending`` shared its name with ``lmcache-rc serve --max-pending``
+(generations pending publication in the sidecar's directory)."""
 
 VLLM_APIS = ("auto", "boundary", "upstream")
 """Values of ``lmcache_rc.vllm_api``."""
@@ -90,7 +104,10 @@ class ConnectorOptions:
     connect_timeout: float = 10.0
     max_lookup_attempts: int = 4
     copy_workers: int = 2
-    max_pending: int = 16
+    max_copies_per_rank: int = 16
+    """Copies queued or running in each worker rank's transfer engine (its
+    admission bound, at least ``copy_workers``); the scheduler never has more
+    tasks outstanding at the ranks. Formerly ``max_pending``."""
     chunk_tokens: int = 4096
     max_tasks: int = 64
     task_timeout: float = 300.0
@@ -193,8 +210,9 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
 
     Keys without the prefix belong to other connectors and are ignored;
     unknown ``lmcache_rc.*`` keys are refused (a typo must not silently fall
-    back to a default). Raises :class:`InvalidConnectorConfig` naming the
-    option.
+    back to a default). A name of :data:`DEPRECATED_OPTIONS` is read as its
+    new name with a ``FutureWarning``; giving both names is refused. Raises
+    :class:`InvalidConnectorConfig` naming the option.
     """
     extra = dict(extra_config or {})
     values: dict[str, Any] = {}
@@ -202,6 +220,21 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
         if not isinstance(key, str) or not key.startswith(OPTION_PREFIX):
             continue
         name = key[len(OPTION_PREFIX) :]
+        if name in DEPRECATED_OPTIONS:
+            new, why = DEPRECATED_OPTIONS[name]
+            if OPTION_PREFIX + new in extra:
+                raise InvalidConnectorConfig(
+                    f"kv_connector_extra_config options {key} and {OPTION_PREFIX}{new} are "
+                    f"both set; {key} is the deprecated name of {OPTION_PREFIX}{new}: keep "
+                    "only the new one"
+                )
+            warnings.warn(
+                f"kv_connector_extra_config option {key} is deprecated: use "
+                f"{OPTION_PREFIX}{new} ({why})",
+                FutureWarning,
+                stacklevel=2,
+            )
+            name = new
         if name not in OPTION_DEFAULTS:
             raise InvalidConnectorConfig(
                 f"unknown kv_connector_extra_config option {key!r} "
@@ -229,7 +262,7 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
         connect_timeout=_number("connect_timeout", get("connect_timeout")),
         max_lookup_attempts=_integer("max_lookup_attempts", get("max_lookup_attempts"), 1, 64),
         copy_workers=_integer("copy_workers", get("copy_workers"), 1, 64),
-        max_pending=_integer("max_pending", get("max_pending"), 1, 4096),
+        max_copies_per_rank=_integer("max_copies_per_rank", get("max_copies_per_rank"), 1, 4096),
         chunk_tokens=_integer("chunk_tokens", get("chunk_tokens"), 1, 65536),
         max_tasks=_integer("max_tasks", get("max_tasks"), 1, 65536),
         task_timeout=_number("task_timeout", get("task_timeout"), zero_ok=True),
@@ -239,10 +272,11 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
         store_prompt=_choice("store_prompt", get("store_prompt"), STORE_PROMPT),
         store_response=_boolean("store_response", get("store_response")),
     )
-    if opts.max_pending < opts.copy_workers:
+    if opts.max_copies_per_rank < opts.copy_workers:
         raise _bad(
-            "max_pending",
-            f"({opts.max_pending}) must be at least lmcache_rc.copy_workers ({opts.copy_workers})",
+            "max_copies_per_rank",
+            f"({opts.max_copies_per_rank}) must be at least lmcache_rc.copy_workers "
+            f"({opts.copy_workers})",
         )
     return opts
 

@@ -572,7 +572,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         # restore would fail and recompute); restores first: a request is
         # parked on each, stores only hold blocks. A deferred restore's
         # request simply stays in WAITING_FOR_REMOTE_KVS a step longer.
-        room = max(0, self._options.max_pending - in_flight)
+        room = max(0, self._options.max_copies_per_rank - in_flight)
         out: list[CheckpointEngineTask] = []
         unsent = sorted(
             (t for t in self._tasks.values() if not t.sent),

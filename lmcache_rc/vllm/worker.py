@@ -159,7 +159,7 @@ class WorkerSide:
             layout=dict(layout),
             page_pool=page_pool,
             workers=self._options.copy_workers,
-            max_pending=self._options.max_pending,
+            max_pending=self._options.max_copies_per_rank,
             rpc_timeout=self._options.rpc_timeout,
         )
         self._layout = dict(layout)

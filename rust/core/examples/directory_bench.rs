@@ -16,7 +16,7 @@
 //!   commit: what every publication cost when it waited for an fsync);
 //! * a raw indexed point lookup next to `find`.
 //!
-//! Targets (DESIGN §9, issue 16): publications/s at 100k ≥ 0.7 × raw
+//! Targets (`docs/design/README.md#performance-targets`): publications/s at 100k ≥ 0.7 × raw
 //! un-synced insert+commit of the same rows and ≥ 20 × 78/s; the at-capacity
 //! rate within 20 % of the below-capacity rate; durable marking ≥ 1,000
 //! generations/s; find p99 ≤ 3 × a raw point lookup.

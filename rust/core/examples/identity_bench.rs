@@ -1,5 +1,6 @@
 //! Token-root hashing throughput against raw SHA-256 over the same bytes,
-//! measured in the same run (DESIGN §9: ratio ≥ 0.9).
+//! measured in the same run (target: ratio ≥ 0.9;
+//! `docs/design/README.md#performance-targets`).
 //!
 //! `cargo run --release -p lmcache-rc-core --example identity_bench [-- TOKENS]`
 // A benchmark reports on stdout and stops at the first failure.

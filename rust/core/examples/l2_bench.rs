@@ -1,5 +1,6 @@
 //! L2 tier throughput against raw file I/O of the same bytes, measured in the
-//! same run (DESIGN §9: write with fsync ≥ 0.7 × raw, cold read ≥ 0.8 × raw).
+//! same run (targets: write with fsync ≥ 0.7 × raw, cold read ≥ 0.8 × raw;
+//! `docs/design/README.md#performance-targets`).
 //!
 //! `cargo run --release -p lmcache-rc-core --example l2_bench [-- [--quick] [DIR]]`
 //!

@@ -1,5 +1,6 @@
 //! RPC round-trip latency against a raw Unix-socket ping-pong of the same
-//! frame sizes, measured in the same run (DESIGN §9: p50 ≤ 3 × raw).
+//! frame sizes, measured in the same run (target: p50 ≤ 3 × raw;
+//! `docs/design/README.md#performance-targets`).
 //!
 //! ```text
 //! cargo run --release -p lmcache-rc-core --example rpc_bench [-- ROUNDS GENERATIONS]

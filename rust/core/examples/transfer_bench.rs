@@ -1,6 +1,6 @@
 //! Transfer-engine throughput (cpu backend) against a single-thread memcpy
-//! of the same bytes, measured in the same run (DESIGN §9: ≥ 0.8 × with one
-//! copy thread, ≥ 1.5 × with two).
+//! of the same bytes, measured in the same run (targets: ≥ 0.8 × with one
+//! copy thread, ≥ 1.5 × with two; `docs/design/README.md#performance-targets`).
 //!
 //! ```text
 //! cargo run --release -p lmcache-rc-core --example transfer_bench [-- MIB]

@@ -1,8 +1,9 @@
 //! Checkpoint identity: namespaces, token roots, exact-boundary prefixes, page
-//! content keys and generation ids (`spec/identity-and-index.md` §1).
+//! content keys and generation ids (`docs/design/identity.md`).
 //!
 //! Every function here is pure and deterministic; its outputs are wire and disk
-//! formats, pinned byte-for-byte by `shared/vectors/identity-v1.json`. Nothing
+//! formats, pinned byte-for-byte by `vectors/identity-v1.json`
+//! (`docs/design/identity.md#golden-vectors`). Nothing
 //! here knows about storage, time, addresses or ranks.
 
 use std::borrow::Cow;
@@ -124,7 +125,8 @@ pub struct Prefix {
 }
 
 impl Prefix {
-    /// Validates and builds a prefix (`spec` §1.2; the first failing rule wins).
+    /// Validates and builds a prefix (`docs/design/identity.md#tokens-and-prefixes`;
+    /// the first failing rule wins).
     pub fn new(
         namespace: impl Into<String>,
         start_tokens: u64,
@@ -201,7 +203,8 @@ impl Prefix {
         out
     }
 
-    /// Raw digest of the scheme-(b) content key of this prefix (`spec` §1.7b).
+    /// Raw digest of the scheme-(b) content key of this prefix
+    /// (`docs/design/identity.md#page-content-keys`, scheme (b)).
     pub fn content_digest(&self, discriminator: &str) -> Digest32 {
         let mut h = Sha256::new();
         h.update(CONTENT_DOMAIN);
@@ -241,7 +244,7 @@ fn validate_tail(tail: &[u32]) -> Result<()> {
 }
 
 /// Generation id of a manifest: content-derived from the exact prefix and the
-/// exact payload bytes (`spec` §1.8). 85 characters.
+/// exact payload bytes (`docs/design/identity.md#generation-ids`). 85 characters.
 pub fn checkpoint_generation(prefix: &Prefix, payload: &[u8]) -> String {
     let prefix_digest = prefix.content_digest(MANIFEST_DISCRIMINATOR);
     let mut h = Sha256::new();
@@ -252,7 +255,7 @@ pub fn checkpoint_generation(prefix: &Prefix, payload: &[u8]) -> String {
     format!("{GENERATION_PREFIX}{}", to_hex(&h.finalize()))
 }
 
-/// One query root per hash chunk of a token sequence (`spec` §1.4).
+/// One query root per hash chunk of a token sequence (`docs/design/identity.md#token-roots`).
 ///
 /// Holds the tokens once and the chain digests; roots and prefixes are cut
 /// from them on demand, so a million-token sequence costs one copy plus
@@ -373,7 +376,8 @@ impl TokenRoots {
         Ok(((n - 1) / self.chunk_tokens as usize, n))
     }
 
-    /// The exact-boundary prefix of the first `n` tokens (`spec` §1.5).
+    /// The exact-boundary prefix of the first `n` tokens
+    /// (`docs/design/identity.md#prefixn-the-key-of-a-checkpoint-of-n-tokens`).
     pub fn prefix(&self, n: u64) -> Result<Prefix> {
         let (k, n) = self.boundary(n)?;
         Ok(self.root_with_tail(k, n))
@@ -392,7 +396,8 @@ impl TokenRoots {
         Ok(h.finalize().into())
     }
 
-    /// Roots-based page content key at boundary `n` (`spec` §1.7a).
+    /// Roots-based page content key at boundary `n` (`docs/design/identity.md#page-content-keys`,
+    /// scheme (a)).
     pub fn content_key(&self, n: u64, discriminator: &str) -> Result<String> {
         let digest = self.token_digest(n)?;
         Ok(self.page_key(&digest, n, discriminator))

@@ -5,7 +5,8 @@
 //! produces: keys sorted by code point at every depth, no whitespace, and either
 //! ASCII escaping (`\uXXXX`, lowercase hex, surrogate pairs above U+FFFF, DEL
 //! escaped) or raw UTF-8. Numbers are restricted to integers that fit in `i64`
-//! (DESIGN §5), so no hash ever depends on a language's float formatting.
+//! (`docs/design/identity.md#the-restricted-json-domain`), so no hash ever
+//! depends on a language's float formatting.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

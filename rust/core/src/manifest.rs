@@ -1,5 +1,5 @@
-//! Manifests and their payload schema (`spec/storage-and-transfer.md` §1.2–§1.3,
-//! `spec/identity-and-index.md` §2.1).
+//! Manifests and their payload schema (`docs/design/manifests.md#the-envelope-manifestnew`,
+//! `docs/design/manifests.md#page-groups-payloadschemaparse`).
 //!
 //! A [`Manifest`] is the metadata of one immutable generation. Constructing one
 //! validates the envelope (generation id, world size, payload size, schema
@@ -175,7 +175,8 @@ pub struct PayloadSchema {
 }
 
 impl PayloadSchema {
-    /// Parses a payload and validates every group (`spec/storage-and-transfer.md` §1.3).
+    /// Parses a payload and validates every group
+    /// (`docs/design/manifests.md#page-groups-payloadschemaparse`).
     pub fn parse(payload: &[u8]) -> Result<PayloadSchema> {
         let (schema_version, document) = parse_document(payload)?;
         let page_groups = parse_groups(schema_version, &document)?;
@@ -217,9 +218,9 @@ const PAYLOAD_KEYS: [&str; 6] = [
 const GROUP_KEYS: [&str; 4] = ["content_keys", "name", "page_bytes", "positions"];
 
 /// The schema-2 checkpoint payload the scheduler writes into a manifest and
-/// every worker checks before it copies (`spec/storage-and-transfer.md`
-/// §1.3): one typed value, built and parsed here with every rule in one
-/// place.
+/// every worker checks before it copies
+/// (`docs/design/manifests.md#the-schema-2-checkpoint-payload-checkpointpayload`):
+/// one typed value, built and parsed here with every rule in one place.
 ///
 /// [`CheckpointPayload::build`] writes canonical JSON byte-identical to
 /// CPython's `json.dumps(obj, sort_keys=True, separators=(",", ":"),

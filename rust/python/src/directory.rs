@@ -1,4 +1,5 @@
-//! `rc.Directory`: the durable checkpoint directory on its own (DESIGN §6).
+//! `rc.Directory`: the durable checkpoint directory on its own
+//! (`docs/design/manifests.md#the-directorys-contract`).
 //! Every method runs with the GIL released (they all touch SQLite).
 //!
 //! The lookup path (`find`, `ancestors`) copies nothing: a `TokenRoots` is

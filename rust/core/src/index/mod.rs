@@ -1,5 +1,7 @@
 //! The durable checkpoint directory: published manifests in SQLite, pending
-//! generations in memory (`spec/identity-and-index.md` §2, DESIGN §5).
+//! generations in memory (`docs/design/manifests.md#the-directorys-contract`,
+//! `docs/design/directory.md`,
+//! `docs/design/README.md#where-lmcache-rc-differs-from-the-reference`).
 //!
 //! # What it owns
 //!
@@ -46,7 +48,9 @@
 //!
 //! [`mark_durable`]: Directory::mark_durable
 //!
-//! # Differences from the reference (DESIGN §5)
+//! # Differences from the reference
+//!
+//! See also `docs/design/README.md#where-lmcache-rc-differs-from-the-reference`.
 //!
 //! * **Recency is batched.** A successful [`find`](Directory::find) stamps the
 //!   winner with a fresh `access_order` in memory only. Dirty stamps are
@@ -81,9 +85,10 @@
 //!   count it in [`DirectoryStatus::invalid_rows`]. The row is not deleted
 //!   behind the caller's back; it ages out through LRU eviction (reported in
 //!   [`Publication::evicted`]) or an explicit invalidate/retire.
-//! * **Durability flag.** [`mark_durable`](Directory::mark_durable) records,
-//!   in batches, that every payload object of a generation reached disk
-//!   (DESIGN §5, I8); [`list`](Directory::list) reports it.
+//! * **Durability flag.** [`mark_durable`](Directory::mark_durable) records, in
+//!   batches, that every payload object of a generation reached disk (invariant
+//!   I8 of `docs/design/README.md#invariants`, `docs/design/directory.md`);
+//!   [`list`](Directory::list) reports it.
 //! * **Publication never waits for an fsync** (the reference syncs every
 //!   commit); durability is batched as above. Concurrent publications share
 //!   transactions (see [`acknowledge`](Directory::acknowledge)).
@@ -1043,9 +1048,11 @@ impl Directory {
         Ok(all)
     }
 
-    /// Marks published generations durable: every payload object of each is
-    /// on disk (DESIGN §5, I8). One transaction for the whole batch; returns,
-    /// per input, whether that generation is published (and so now marked).
+    /// Marks published generations durable: every payload object of each is on
+    /// disk (invariant I8 of `docs/design/README.md#invariants`,
+    /// `docs/design/directory.md`). One transaction for the whole batch;
+    /// returns, per input, whether that generation is published (and so now
+    /// marked).
     ///
     /// On return the marks are on disk (file mode): the transaction commits
     /// without an fsync under the directory lock, then one fsync of the

@@ -1,7 +1,8 @@
 //! The on-disk format of the directory: SQLite tables, the tail text and tail
 //! hash helpers, and the open-time checks, migration and reconciliation.
 //!
-//! Tables (`spec/identity-and-index.md` §2.3; reference columns unchanged):
+//! Tables (reference columns unchanged; see `docs/architecture.md` and
+//! `docs/design/directory.md`):
 //!
 //! ```sql
 //! CREATE TABLE checkpoints (

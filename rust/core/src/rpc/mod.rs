@@ -1,4 +1,5 @@
-//! The sidecar RPC: wire format, server and client (DESIGN §3, §5 "RPC", §6).
+//! The sidecar RPC: wire format, server and client (`docs/design/wire-protocol.md`,
+//! `docs/design/README.md#processes`).
 //!
 //! Only metadata crosses the RPC (I10): manifests, roots, lease ids and slot
 //! offsets. Page bytes move through the shared-memory pool, whose descriptor

@@ -474,7 +474,8 @@ impl CopyBackend for CudaBackend {
         // leaked and the engine leaks the mapping (InFlight).
         let enqueued =
             unsafe { self.enqueue(&lane, plan.direction, &runs, pool.as_ptr(), producer_event) };
-        // Always drain, even when enqueueing failed half-way (spec §9.2 step 9).
+        // Always drain, even when enqueueing failed half-way
+        // (docs/design/transfers.md#backends: cuda "always drains").
         if let Err(why) = self.drain(&lane) {
             // The lane's stream may still run a DMA: it is not returned to
             // `lanes`, so it is never reused or destroyed (its handles leak).

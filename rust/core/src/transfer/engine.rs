@@ -696,7 +696,8 @@ impl Inner {
         }
     }
 
-    /// Sends `call` and waits for its reply, twice at most (spec §7.3).
+    /// Sends `call` and waits for its reply, twice at most
+    /// (`docs/design/transfers.md#rpc-timeout-reconciliation`).
     fn rpc(&self, call: LeaseCall) -> Rpc<LeaseAnswer> {
         let name = call.name();
         let timeout = self.config.rpc_timeout;
@@ -711,7 +712,8 @@ impl Inner {
                     ));
                 }
                 // A finish that timed out and then failed: whether the lease
-                // ended is unknown (spec §7.3: "still nothing / error").
+                // ended is unknown (docs/design/transfers.md#rpc-timeout-reconciliation:
+                // "still nothing (or an error after a timeout)").
                 Err(e) if is_finish(&call) => {
                     return Rpc::Unresolved(format!("{name} timed out, then failed: {e}"));
                 }
@@ -794,8 +796,8 @@ impl Inner {
             Rpc::Ok(_) | Rpc::Drained(_) => Ok(()),
             // The copy has drained, so nothing is in flight; a finish that
             // failed (e.g. the connection was lost) is never sent twice
-            // (spec §7.3). If the sidecar lives on, the lease stays with it
-            // until it restarts.
+            // (docs/design/transfers.md#rpc-timeout-reconciliation). If the
+            // sidecar lives on, the lease stays with it until it restarts.
             Rpc::Err(e) => Err(Outcome::Failed(e)),
             Rpc::Unresolved(r) => {
                 Err(self.turn_unsafe(format!("completion ownership could not drain: {r}")))
@@ -1019,7 +1021,8 @@ impl Inner {
         Ok((schema, groups))
     }
 
-    /// The pool-replacement check (spec §9.2 step 6) and the lease validation.
+    /// The pool-replacement check (`docs/design/transfers.md#2-map-the-pool`) and the lease
+    /// validation.
     fn checked_plan(
         &self,
         job: &Job,

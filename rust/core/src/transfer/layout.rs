@@ -1,4 +1,5 @@
-//! Where a page's bytes live in a worker's KV memory (spec §9.1, generalised).
+//! Where a page's bytes live in a worker's KV memory
+//! (`docs/design/transfers.md#page-layouts-transferlayoutrs`).
 //!
 //! A bound page memory is a list of buffers (sizes here; addresses stay with
 //! the backend), `num_blocks` physical blocks, and named page groups. Each

@@ -1,5 +1,5 @@
 //! Worker transfers: background copies between a worker's KV memory and the
-//! sidecar's shared memory (spec `storage-and-transfer.md` §6.2, §7, §9).
+//! sidecar's shared memory (`docs/design/transfers.md`).
 //!
 //! The worker's memory is described by a [`PageLayout`] ([`layout`]): a
 //! contiguous `[num_blocks, page_bytes]` pool (the boundary fork), or
@@ -38,8 +38,9 @@
 //! Outcomes ([`Outcome`]): *copied* (true), *miss* and *failed* (false; a
 //! failed job finished its lease as failed, nothing is in flight), and
 //! *unsafe*: a copy may be in flight or a lease reply could not be
-//! reconciled (spec §7.3: every RPC is waited for twice on the same reply;
-//! a late lease is released unused). An unsafe engine never finishes that
+//! reconciled (`docs/design/transfers.md#rpc-timeout-reconciliation`: every
+//! RPC is waited for twice on the same reply; a late lease is released
+//! unused). An unsafe engine never finishes that
 //! lease, refuses every later submit and its `close` fails with
 //! [`crate::Error::UnsafeCopy`]; its mapping is leaked so that no in-flight
 //! DMA can touch freed memory (invariant I5).

@@ -1,4 +1,6 @@
-//! Validation of a transfer before the first byte moves (spec §6.2, §9.2).
+//! Validation of a transfer before the first byte moves
+//! (`docs/design/transfers.md#1-check-before-any-lease`,
+//! `docs/design/transfers.md#4-validate-the-lease-planplan_copy`).
 //!
 //! A job is checked twice. [`check_job`] runs before any lease is requested:
 //! the manifest's page groups against the job's block ids and the bound page
@@ -85,8 +87,9 @@ impl CopyPlan {
 }
 
 /// Checks a job's block ids against its manifest and the bound layout
-/// (spec §9.2 steps 2–4), before any lease is requested, and returns the
-/// layout group of every manifest group (in manifest order).
+/// (`docs/design/transfers.md#1-check-before-any-lease`), before any lease is
+/// requested, and returns the layout group of every manifest group (in manifest
+/// order).
 ///
 /// A RETRIEVE may name block 0 for a page the worker already holds (vLLM's
 /// local prefix hit): that page is leased like the others but not copied.
@@ -259,8 +262,10 @@ pub fn check_pool(caps: &Capabilities, pool: &ShmPool) -> Result<()> {
     Ok(())
 }
 
-/// Validates a ready lease against the mapped pool and the job and returns
-/// the pages to copy (spec §6.2): nothing is copied unless all of it holds.
+/// Validates a ready lease against the mapped pool and the job and returns the
+/// pages to copy
+/// (`docs/design/transfers.md#4-validate-the-lease-planplan_copy`): nothing is
+/// copied unless all of it holds.
 ///
 /// `groups` is what [`check_job`] returned for this job (the layout group of
 /// every manifest group).

@@ -1,15 +1,15 @@
 //! How the transfer engine talks to the checkpoint service.
 //!
-//! The engine needs six lease operations and the pool (its capabilities and
-//! a descriptor to map, see [`PoolSource`]), and for the
-//! RPC-timeout reconciliation of spec §7.3 it must be able to wait *again on
-//! the same reply* rather than send a second request. [`LeaseApi`] therefore
-//! hands out a [`ReplyHandle`] per call. Its calls are the `*_async`
-//! operations of the protocol ([`CheckpointsAsync`]), so any implementation
-//! of the protocol serves: the RPC client (the normal case: the sidecar in
-//! another process) and the in-process service (embedded use and tests);
-//! tests also implement [`LeaseApi`] to inject slow, lost or malformed
-//! replies.
+//! The engine needs six lease operations and the pool (its capabilities and a
+//! descriptor to map, see [`PoolSource`]), and for the RPC-timeout
+//! reconciliation (`docs/design/transfers.md#rpc-timeout-reconciliation`) it
+//! must be able to wait *again on the same reply* rather than send a second
+//! request. [`LeaseApi`] therefore hands out a [`ReplyHandle`] per call. Its
+//! calls are the `*_async` operations of the protocol ([`CheckpointsAsync`]),
+//! so any implementation of the protocol serves: the RPC client (the normal
+//! case: the sidecar in another process) and the in-process service (embedded
+//! use and tests); tests also implement [`LeaseApi`] to inject slow, lost or
+//! malformed replies.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;

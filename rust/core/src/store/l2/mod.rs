@@ -7,8 +7,10 @@
 //! the service, which calls [`L2Tier::write`], [`L2Tier::read`] and
 //! [`L2Tier::remove`] off its lock, on an [`IoPool`]. It must never return
 //! unverified bytes as a successful read, never rewrite an intact object
-//! (DESIGN I6) and never report a write durable before the file and its
-//! directory entry are on stable storage (DESIGN I8).
+//! (invariant I6 of `docs/design/README.md#invariants`;
+//! `docs/design/l2-format.md#write-order-l2tierwrite`) and never report a write
+//! durable before the file and its directory entry are on stable storage
+//! (invariant I8).
 //!
 //! # Directory layout
 //!
