@@ -238,6 +238,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         rank_mode=args.rank_mode,
         replicas=args.replicas,
         keep=args.keep,
+        socket=args.socket,
         json=args.json,
         corrupt=os.environ.get(CORRUPT_ENV, "") not in ("", "0"),
     )
@@ -250,7 +251,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for name in ("mib", "page_kib", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    return bench_main(args.mib, args.page_kib, args.rounds, args.json)
+    return bench_main(args.mib, args.page_kib, args.rounds, args.json, args.socket)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--keep", metavar="DIR", help="keep the directory and L2 files in DIR")
     demo.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="use the sidecar already running at PATH instead of starting one: the run "
+        "stores under a namespace of its own (new every run), skips the restart phase, "
+        "and retires its namespace at the end; other data is left alone",
+    )
+    demo.add_argument(
         "--json", action="store_true", help="print one JSON object (progress goes to stderr)"
     )
     demo.set_defaults(func=_cmd_demo)
@@ -333,7 +341,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mib", type=int, default=256, help="MiB moved per round (default 256)")
     bench.add_argument("--page-kib", type=int, default=256, help="page size in KiB (default 256)")
     bench.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
-    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument(
+        "--json", action="store_true", help="print one JSON object (verdicts included)"
+    )
+    bench.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="use the sidecar already running at PATH instead of starting one: pages go "
+        "to a namespace of its own (new every run), retired after every round; refused "
+        "when the sidecar's pool has less free space than --mib",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

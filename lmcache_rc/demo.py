@@ -24,6 +24,17 @@ What it does, end to end, on CPU only (no vLLM, no GPU, no downloads):
    recomputation (a difference raises ``RestoreMismatch``) and every output is
    compared with the reference; any mismatch exits 1.
 
+With ``socket`` (``--socket PATH``) it runs against an already running
+sidecar instead and leaves that sidecar's other data alone: every request
+carries a cache salt new at every run (``lmcache-rc-demo-<random>``), so the
+run's checkpoints live in a namespace of their own; step 4 replays on a fresh
+engine without a restart (the sidecar is not the demo's to stop); at the end,
+and on failure, the run retires its namespace (``invalidate_namespace``), so
+nothing it stored stays listed and its pages leave RAM and disk. Page and
+byte figures are deltas of sidecar-wide counters, so traffic from other
+clients during the run shows up in them. ``--keep`` and the corruption hook
+are refused with ``socket``.
+
 ``LMCACHE_RC_DEMO_CORRUPT=1`` (test hook, hidden from ``--help``) flips one
 byte of every page resident in the sidecar's shared-memory pool after the first
 round of turns, so the next restore must be caught by the verification.
@@ -39,6 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,6 +88,8 @@ class DemoOptions:
     new_tokens: int = 8
     seed: int = 7
     keep: str | None = None
+    socket: str | None = None
+    """An already running sidecar to use instead of an embedded one."""
     json: bool = False
     corrupt: bool = False
     l1_bytes: int = 32 << 20
@@ -90,6 +104,10 @@ class DemoOptions:
             raise ValueError("system_tokens must be at least 1")
         if self.rank_mode not in ("thread", "spawn", "forkserver"):
             raise ValueError(f"unknown rank mode {self.rank_mode!r}")
+        if self.socket is not None and self.keep is not None:
+            raise ValueError("--keep cannot be combined with --socket (the sidecar owns its files)")
+        if self.socket is not None and self.corrupt:
+            raise ValueError(f"{CORRUPT_ENV} cannot be combined with --socket")
 
 
 @dataclass
@@ -235,6 +253,16 @@ def _corrupt_pool(client: rc.Client, pool_size: int) -> int:
     return len(occupied)
 
 
+def _namespace_of(engine: Any, cache_salt: str) -> str:
+    """The checkpoint namespace ``engine``'s connector gives requests with
+    ``cache_salt`` (from its scheduler side, boundary or upstream mode)."""
+    connector = engine.connector
+    side = connector.bridge if connector.bridge is not None else connector.upstream
+    if side is None:
+        raise DemoError("the engine's connector has no scheduler side to name its namespace")
+    return str(side.namespace(cache_salt))
+
+
 class _Workload:
     """Deterministic token streams: a shared system prompt and per-turn user tokens."""
 
@@ -261,6 +289,12 @@ class _Demo:
         self.server: rc.Server | None = None
         self.client: rc.Client | None = None
         self.started = time.perf_counter()
+        # --socket: a namespace of the run's own (a fresh cache salt), retired at the end
+        self.salt: str | None = (
+            f"lmcache-rc-demo-{uuid.uuid4().hex}" if opts.socket is not None else None
+        )
+        self.namespace: str | None = None
+        self.work: _Workload | None = None
 
     # ---------------------------------------------------------------- plumbing
     def elapsed(self) -> str:
@@ -299,10 +333,22 @@ class _Demo:
         if first is not None:
             raise first
 
+    def retire_namespace(self) -> int:
+        """--socket: retires the run's namespace on the sidecar (its
+        generations; their pages go once nothing holds them)."""
+        if self.client is None or self.namespace is None:
+            return 0
+        return int(self.client.invalidate_namespace(self.namespace))
+
     def cleanup(self) -> None:
-        """Best effort after a failure: engines, then the sidecar."""
+        """Best effort after a failure: engines, the run's namespace (with
+        --socket), then the sidecar (or the connection to it)."""
         try:
             self.close_engines()
+        except BaseException:
+            pass
+        try:
+            self.retire_namespace()
         except BaseException:
             pass
         try:
@@ -329,10 +375,19 @@ class _Demo:
         verified_before = engine.stats.pages_verified, engine.stats.restores_verified
         t0 = time.perf_counter()
         try:
-            engine.add_request(rid, prompt, self.opts.new_tokens, instruction_boundary=system_len)
+            engine.add_request(
+                rid,
+                prompt,
+                self.opts.new_tokens,
+                cache_salt=self.salt,
+                instruction_boundary=system_len,
+            )
             result = engine.result(rid)
             engine.run_until(lambda: result.admitted_step is not None, timeout=self.opts.timeout)
             t_admit = time.perf_counter()
+            if self.salt is not None and self.namespace is None:
+                # known once the layout is negotiated, before anything is stored
+                self.namespace = _namespace_of(engine, self.salt)
             engine.run_until(lambda: result.finished, timeout=self.opts.timeout)
             t_done = time.perf_counter()
             engine.run_until_idle(timeout=self.opts.timeout)  # stores drained too
@@ -381,8 +436,86 @@ class _Demo:
         return row, list(result.output_tokens)
 
     # ---------------------------------------------------------------- phases
+    def workload(self, socket: str, client: rc.Client, caps: Mapping[str, Any]) -> list[list[int]]:
+        """Step 2: the multi-turn workload on the replicas; returns each
+        conversation's history (last prompt + response)."""
+        opts, out = self.opts, self.out
+        out.line(
+            f"{self.elapsed()} starting {opts.replicas} engine replica(s) x "
+            f"{opts.world_size} rank(s) ({opts.rank_mode})"
+        )
+        replicas = [self.make_engine(socket) for _ in range(opts.replicas)]
+        work = _Workload(opts, replicas[0].geometry.vocab_size)
+        self.work = work
+        system_len = len(work.system)
+        out.line(
+            f"{self.elapsed()} {opts.requests} conversation(s) x {opts.turns} turn(s): "
+            f"shared system prompt {system_len} tokens, +{opts.user_tokens} user tokens "
+            f"per turn,\n  {opts.new_tokens} new tokens per response; turn k of "
+            f"conversation c runs on replica (c + k) mod {opts.replicas}"
+        )
+        out.line(
+            "  restored = tokens restored from the sidecar; local = hit in the engine's own "
+            "cache;\n  pages new/reused = checkpoint pages written / deduplicated by the sidecar; "
+            "L2 reads = pages\n  loaded from disk; restore ms = request submitted -> admitted "
+            "with its restored pages;\n  output = equals a cold recomputation"
+        )
+        out.line()
+        out.header()
+        history: list[list[int]] = [[] for _ in range(opts.requests)]
+        for t in range(opts.turns):
+            for c in range(opts.requests):
+                replica = (c + t) % opts.replicas
+                base = history[c] if history[c] else list(work.system)
+                prompt = base + work.user(c, t)
+                _, output = self.turn(replicas[replica], "run", c, t, replica, prompt, system_len)
+                history[c] = prompt + output
+            if t == 0 and opts.corrupt:
+                n = _corrupt_pool(client, int(caps["pool_size"]))
+                out.line(f"  !! {CORRUPT_ENV}: flipped one byte in each of {n} resident pages")
+        out.line()
+        return history
+
+    def replay(self, socket: str, history: list[list[int]]) -> list[TurnRow]:
+        """Step 4: one more turn of every conversation on a fresh engine."""
+        opts, out = self.opts, self.out
+        engine = self.make_engine(socket)
+        out.line()
+        out.header()
+        rows: list[TurnRow] = []
+        work = self.work
+        if work is None:
+            raise DemoError("replay before the workload")
+        system_len = len(work.system)
+        for c in range(opts.requests):
+            prompt = history[c] + work.user(c, opts.turns)
+            row, _ = self.turn(engine, "replay", c, opts.turns, 0, prompt, system_len)
+            rows.append(row)
+        out.line()
+        return rows
+
+    def first_phase(
+        self, drained: Mapping[str, Any], baseline: Mapping[str, Any]
+    ) -> dict[str, int]:
+        """The sidecar after the workload: gauges as they are, counters as
+        deltas since the run began."""
+        first = {
+            k: int(drained.get(k, 0))
+            for k in ("generations", "l1_objects", "l2_objects", "l2_bytes")
+        }
+        for k in (
+            "l2_bytes_written",
+            "store_pages_new",
+            "store_pages_reused",
+            "store_bytes_committed",
+        ):
+            first[k] = _delta(drained, baseline, k)
+        return first
+
     def run(self, workdir: Path, socket_dir: Path) -> dict[str, Any]:
         opts, out = self.opts, self.out
+        if opts.socket is not None:
+            return self.run_attached(opts.socket)
         socket = str(socket_dir / "sidecar.sock")
         index = workdir / "checkpoints.sqlite"
         l2 = workdir / "l2"
@@ -401,6 +534,7 @@ class _Demo:
         out.line(f"{self.elapsed()} starting the sidecar")
         client = self.start_server(cfg)
         caps = client.capabilities()
+        baseline = dict(client.status())
         out.line(f"  socket     {socket}")
         out.line(f"  shm pool   memfd {caps['pool_id']} ({caps['pool_size'] >> 20} MiB)")
         out.line(f"  directory  {index} (durable: {bool(caps['durable_index'])})")
@@ -414,57 +548,14 @@ class _Demo:
         }
 
         # 2. the workload
-        out.line(
-            f"{self.elapsed()} starting {opts.replicas} engine replica(s) x "
-            f"{opts.world_size} rank(s) ({opts.rank_mode})"
-        )
-        replicas = [self.make_engine(socket) for _ in range(opts.replicas)]
-        work = _Workload(opts, replicas[0].geometry.vocab_size)
-        system_len = len(work.system)
-        out.line(
-            f"{self.elapsed()} {opts.requests} conversation(s) x {opts.turns} turn(s): "
-            f"shared system prompt {system_len} tokens, +{opts.user_tokens} user tokens "
-            f"per turn,\n  {opts.new_tokens} new tokens per response; turn k of "
-            f"conversation c runs on replica (c + k) mod {opts.replicas}"
-        )
-        out.line(
-            "  restored = tokens restored from the sidecar; local = hit in the engine's own "
-            "cache;\n  pages new/reused = checkpoint pages written / deduplicated by the sidecar; "
-            "L2 reads = pages\n  loaded from disk; restore ms = request submitted -> admitted "
-            "with its restored pages;\n  output = equals a cold recomputation"
-        )
-        out.line()
-        out.header()
-        history: list[list[int]] = [[] for _ in range(opts.requests)]
-        prompts: list[list[int]] = [[] for _ in range(opts.requests)]
-        for t in range(opts.turns):
-            for c in range(opts.requests):
-                replica = (c + t) % opts.replicas
-                base = history[c] if history[c] else list(work.system)
-                prompt = base + work.user(c, t)
-                _, output = self.turn(replicas[replica], "run", c, t, replica, prompt, system_len)
-                prompts[c] = prompt
-                history[c] = prompt + output
-            if t == 0 and opts.corrupt:
-                n = _corrupt_pool(client, int(caps["pool_size"]))
-                out.line(f"  !! {CORRUPT_ENV}: flipped one byte in each of {n} resident pages")
-        out.line()
+        history = self.workload(socket, client, caps)
 
         # 3. drain L2, stop, restart
         out.line(f"{self.elapsed()} waiting for the L2 queue to drain")
         drained = _wait_for(
             client, lambda s: int(s.get("l2_queue", 0)) == 0 and _idle(s), opts.timeout
         )
-        first = {
-            "generations": int(drained.get("generations", 0)),
-            "l1_objects": int(drained.get("l1_objects", 0)),
-            "l2_objects": int(drained.get("l2_objects", 0)),
-            "l2_bytes": int(drained.get("l2_bytes", 0)),
-            "l2_bytes_written": int(drained.get("l2_bytes_written", 0)),
-            "store_pages_new": int(drained.get("store_pages_new", 0)),
-            "store_pages_reused": int(drained.get("store_pages_reused", 0)),
-            "store_bytes_committed": int(drained.get("store_bytes_committed", 0)),
-        }
+        first = self.first_phase(drained, baseline)
         self.report.phases["before_restart"] = first
         out.line(
             f"  {first['generations']} generations listed, {first['l2_objects']} L2 objects "
@@ -495,15 +586,7 @@ class _Demo:
 
         # 4. replay on a fresh engine
         out.line(f"{self.elapsed()} replaying one turn per conversation on a fresh engine")
-        engine = self.make_engine(socket)
-        out.line()
-        out.header()
-        replay_rows: list[TurnRow] = []
-        for c in range(opts.requests):
-            prompt = history[c] + work.user(c, opts.turns)
-            row, _ = self.turn(engine, "replay", c, opts.turns, 0, prompt, system_len)
-            replay_rows.append(row)
-        out.line()
+        replay_rows = self.replay(socket, history)
         final = _wait_for(
             client, lambda s: int(s.get("l2_queue", 0)) == 0 and _idle(s), opts.timeout
         )
@@ -512,6 +595,48 @@ class _Demo:
             raise DemoError(f"sidecar not idle at the end: {final}")
         stop2 = self.stop_server()
         return self.summary(first, replay_rows, final, stop2)
+
+    def run_attached(self, socket: str) -> dict[str, Any]:
+        """--socket: the workload and a replay against a running sidecar,
+        in the run's own namespace, which is retired at the end."""
+        out = self.out
+        out.line(f"{self.elapsed()} connecting to the sidecar at {socket}")
+        try:
+            client = rc.Client(socket)
+            caps = client.capabilities()
+        except (OSError, rc.errors.CheckpointError) as exc:
+            raise DemoError(f"cannot reach a sidecar at {socket}: {exc}") from exc
+        self.client = client
+        baseline = dict(client.status())
+        out.line(f"  shm pool   memfd {caps['pool_id']} ({caps['pool_size'] >> 20} MiB)")
+        out.line(f"  directory  durable: {bool(caps['durable_index'])}")
+        out.line(f"  cache salt {self.salt} (a namespace of this run's own, retired at the end)")
+        self.report.phases["sidecar"] = {
+            "socket": socket,
+            "pool_id": caps["pool_id"],
+            "pool_size": caps["pool_size"],
+            "cache_salt": self.salt,
+        }
+        history = self.workload(socket, client, caps)
+        drained = dict(client.status())
+        first = self.first_phase(drained, baseline)
+        self.report.phases["before_replay"] = first
+        out.line(
+            f"{self.elapsed()} replaying one turn per conversation on a fresh engine "
+            "(same sidecar, no restart)"
+        )
+        replay_rows = self.replay(socket, history)
+        self.close_engines()
+        retired = self.retire_namespace()
+        self.namespace, namespace = None, self.namespace
+        final = dict(client.status())
+        self.report.phases["cleanup"] = {"namespace": namespace, "retired_generations": retired}
+        out.line(
+            f"{self.elapsed()} retired this run's namespace: {retired} generation(s); "
+            f"the sidecar's other data is untouched"
+        )
+        self.stop_server()
+        return self.summary(first, replay_rows, final, {})
 
     def summary(
         self,
@@ -552,6 +677,8 @@ class _Demo:
                 for k in ("store_leases", "retrieve_leases", "pins", "pending", "l2_queue")
             },
             "sidecar_stop": dict(stop),
+            "restarted": self.opts.socket is None,
+            "cleanup": self.report.phases.get("cleanup"),
             "elapsed_s": round(time.perf_counter() - self.started, 2),
         }
         return summary
@@ -576,8 +703,9 @@ def _print_summary(out: _Printer, s: Mapping[str, Any]) -> None:
         f"  later turns        restored {s['later_turn_restored_tokens']} tokens, "
         f"recomputed {s['later_turn_recomputed_tokens']}"
     )
+    replay = "after restart     " if s["restarted"] else "replay (no restart)"
     out.line(
-        f"  after restart      restored {s['replay_restored_tokens']} tokens, "
+        f"  {replay} restored {s['replay_restored_tokens']} tokens, "
         f"{s['replay_l2_loads']} pages read from L2"
     )
     out.line(
@@ -599,6 +727,11 @@ def _print_summary(out: _Printer, s: Mapping[str, Any]) -> None:
         f"retrieve leases, {fin['pins']} pins, {fin['pending']} pending, "
         f"L2 queue {fin['l2_queue']}"
     )
+    if s["cleanup"] is not None:
+        out.line(
+            f"  cleanup            namespace {s['cleanup']['namespace']}: "
+            f"{s['cleanup']['retired_generations']} generations retired"
+        )
     out.line(f"  elapsed            {s['elapsed_s']:.1f}s")
 
 
@@ -614,8 +747,11 @@ def run_demo(opts: DemoOptions, stdout: TextIO | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
     else:
         workdir = socket_dir
-    out.line(f"lmcache-rc {rc.__version__} demo (work directory {workdir})")
-    if (workdir / "checkpoints.sqlite").exists():
+    if opts.socket is not None:
+        out.line(f"lmcache-rc {rc.__version__} demo (sidecar at {opts.socket})")
+    else:
+        out.line(f"lmcache-rc {rc.__version__} demo (work directory {workdir})")
+    if opts.socket is None and (workdir / "checkpoints.sqlite").exists():
         out.line("  note: the directory already holds checkpoints; they are reused")
     code = 0
     try:

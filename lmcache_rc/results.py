@@ -98,6 +98,7 @@ class ServiceStatus(TypedDict):
     reclaimed_objects: int
     restart_retired: int
     clears: int
+    invalidated_generations: int
     reclaimed_store_leases: int
     reclaimed_retrieve_leases: int
     misses: dict[str, int]

@@ -1,10 +1,14 @@
 """``lmcache-rc bench``: runs end to end (tiny size), reports measured figures
-for 1 and 2 copy threads with their ratios, refuses bad sizes. Figures are
-not compared with targets here: timing belongs to ci/bench.sh, not tests."""
+for 1 and 2 copy threads with their ratios and a verdict per target (met /
+NOT met, in the text and in ``--json``), sizes in binary units, refuses bad
+sizes. Which verdict comes out is not asserted: timing belongs to
+ci/bench.sh, not tests; that each verdict follows from its ratio is.
+(``--socket``: tests_py/test_cli_socket_runs.py.)"""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -35,12 +39,54 @@ def test_bench_json_reports_both_thread_counts_with_ratios() -> None:
         assert abs(ratio - expected) < 1e-9
 
 
-def test_bench_text_report_names_the_targets() -> None:
+def test_bench_json_gives_a_verdict_per_target_that_follows_its_ratio() -> None:
+    done = run("--mib", "16", "--rounds", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["size"] == "16 MiB" and result["total_bytes"] == 16 << 20
+    targets = result["targets"]
+    assert set(targets) == {"store_1", "store_2", "restore_1", "restore_2"}
+    for key, verdict in targets.items():
+        assert verdict["target"] == (0.8 if key.endswith("_1") else 1.5), key
+        assert verdict["ratio"] == result["ratios"][key]
+        assert verdict["met"] is (verdict["ratio"] >= verdict["target"]), key
+    assert result["all_targets_met"] is all(v["met"] for v in targets.values())
+
+
+VERDICT_LINE = re.compile(
+    r"^  (?P<threads>[12]) copy thread\(s\): (?P<kind>store|restore)\s+[\d.]+ MiB/s "
+    r"ratio (?P<ratio>[\d.]+)  (?P<verdict>met|NOT met) \(target >= (?P<target>[\d.]+)\)$"
+)
+
+
+def test_bench_text_report_prints_met_or_not_met_per_target_in_binary_units() -> None:
     done = run("--mib", "16", "--rounds", "1")
     assert done.returncode == 0, done.stderr
-    assert "memcpy (numpy copyto, 1 thread)" in done.stdout
-    assert "1 copy thread(s): store" in done.stdout and "(target >= 0.8)" in done.stdout
-    assert "2 copy thread(s): store" in done.stdout and "(target >= 1.5)" in done.stdout
+    out = done.stdout
+    assert "memcpy (numpy copyto, 1 thread)" in out
+    assert "64 pages x 256 KiB = 16 MiB in 1 jobs" in out
+    assert " MB" not in out and "MB/s" not in out
+    verdicts = [m.groupdict() for line in out.splitlines() if (m := VERDICT_LINE.match(line))]
+    assert {(v["threads"], v["kind"]) for v in verdicts} == {
+        ("1", "store"), ("1", "restore"), ("2", "store"), ("2", "restore"),
+    }  # fmt: skip
+    for v in verdicts:
+        assert float(v["target"]) == (0.8 if v["threads"] == "1" else 1.5)
+        met = round(float(v["ratio"]), 3) >= float(v["target"])
+        # the printed ratio is rounded to 3 places; only a tie could differ
+        if abs(float(v["ratio"]) - float(v["target"])) > 0.001:
+            assert (v["verdict"] == "met") is met, v
+    met_count = sum(v["verdict"] == "met" for v in verdicts)
+    assert f"targets met: {met_count} of 4" in out
+
+
+def test_bench_sizes_use_binary_units_up_to_gib() -> None:
+    from lmcache_rc.bench import format_bytes
+
+    assert format_bytes(256 << 20) == "256 MiB"
+    assert format_bytes(1 << 30) == "1 GiB"
+    assert format_bytes(3 << 29) == "1.5 GiB"
+    assert format_bytes(256 << 10) == "256 KiB"
 
 
 def test_bench_refuses_bad_sizes() -> None:

@@ -272,6 +272,9 @@ impl Checkpoints for PanickingStatus {
     fn list_generations(&self) -> lmcache_rc_core::Result<Vec<GenerationInfo>> {
         self.inner.list_generations()
     }
+    fn invalidate_namespace(&self, namespace: &str) -> lmcache_rc_core::Result<u64> {
+        self.inner.invalidate_namespace(namespace)
+    }
 }
 
 #[test]

@@ -29,6 +29,7 @@ mod service_clear;
 mod service_common;
 mod service_crash;
 mod service_faults;
+mod service_invalidate_namespace;
 mod service_lease_rules;
 mod service_limits;
 mod service_overlapping_stores;

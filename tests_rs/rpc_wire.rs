@@ -74,6 +74,7 @@ fn request() -> impl Strategy<Value = Request> {
         (any::<bool>(), any::<bool>())
             .prop_map(|(force, all_tiers)| Request::Clear { force, all_tiers }),
         Just(Request::ListGenerations),
+        "\\PC{0,40}".prop_map(|namespace| Request::InvalidateNamespace { namespace }),
     ]
 }
 
@@ -161,6 +162,7 @@ fn value() -> impl Strategy<Value = Value> {
             0..4,
         )
         .prop_map(Value::Generations),
+        any::<u64>().prop_map(Value::Count),
     ]
 }
 
@@ -275,7 +277,7 @@ fn an_empty_stream_is_eof_not_truncation() {
 
 #[test]
 fn unknown_request_types_and_trailing_bytes_are_protocol_errors() {
-    for body in [&[13u8][..], &[200, 1], &[0, 0], &[], &[3, 5, b'a']] {
+    for body in [&[14u8][..], &[200, 1], &[0, 0], &[], &[3, 5, b'a']] {
         let e = wire::decode_request(body).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Protocol, "{body:?}: {e}");
     }
@@ -288,7 +290,7 @@ fn unknown_request_types_and_trailing_bytes_are_protocol_errors() {
 #[test]
 fn request_type_numbers_are_pinned() {
     // The variant index is the request type on the wire: append only.
-    let expected: [(Request, u8); 13] = [
+    let expected: [(Request, u8); 14] = [
         (Request::Capabilities, 0),
         (Request::Find { roots: vec![] }, 1),
         (
@@ -335,6 +337,12 @@ fn request_type_numbers_are_pinned() {
             11,
         ),
         (Request::ListGenerations, 12),
+        (
+            Request::InvalidateNamespace {
+                namespace: String::new(),
+            },
+            13,
+        ),
         (Request::Capabilities, 0),
         (Request::Status, 10),
         (Request::Find { roots: vec![] }, 1),

@@ -185,6 +185,9 @@ impl Checkpoints for Remote {
     fn list_generations(&self) -> lmcache_rc_core::Result<Vec<GenerationInfo>> {
         self.client.list_generations()
     }
+    fn invalidate_namespace(&self, namespace: &str) -> lmcache_rc_core::Result<u64> {
+        self.client.invalidate_namespace(namespace)
+    }
 }
 
 /// A small config: 4 MiB of L1, optional L2 directory, short timeouts

@@ -193,6 +193,10 @@ class UpstreamScheduler(TaskBook[_Task]):
         """The negotiated worker layout, or None while negotiation is open."""
         return None if self._negotiation.layout is None else dict(self._negotiation.layout)
 
+    def namespace(self, cache_salt: str | None) -> str:
+        """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
+        return self._negotiation.namespace(cache_salt)
+
     @property
     def groups(self) -> tuple[GroupInfo, ...]:
         """The KV-cache groups, in vLLM's order."""

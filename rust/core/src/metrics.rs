@@ -372,6 +372,11 @@ const RESTART_RETIRED: Family = counter(
     "Generations retired at start-up because an object was missing or corrupt",
 );
 const CLEARS: Family = counter("clears", "Clears performed (CLI, HTTP or RPC)");
+const INVALIDATED: Family = counter(
+    "invalidated_generations",
+    "Listed generations retired by invalidate_namespace (one namespace's checkpoints dropped \
+     on request)",
+);
 const RECLAIMED_LEASES: Family = by(
     counter(
         "reclaimed_leases",
@@ -450,6 +455,7 @@ pub const FAMILIES: &[Family] = &[
     RECLAIMED_OBJECTS,
     RESTART_RETIRED,
     CLEARS,
+    INVALIDATED,
     RECLAIMED_LEASES,
     RPC_CONNECTIONS,
     RPC_MAX_CONNECTIONS,
@@ -501,6 +507,7 @@ pub fn counter_series(counter: Counter) -> Placement {
         Counter::ReclaimedObjects => (RECLAIMED_OBJECTS, None),
         Counter::RestartRetired => (RESTART_RETIRED, None),
         Counter::Clears => (CLEARS, None),
+        Counter::InvalidatedGenerations => (INVALIDATED, None),
         Counter::ReclaimedStoreLeases => (RECLAIMED_LEASES, Some("store")),
         Counter::ReclaimedRetrieveLeases => (RECLAIMED_LEASES, Some("retrieve")),
     }

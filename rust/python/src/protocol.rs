@@ -39,6 +39,12 @@ impl ToPython for bool {
     }
 }
 
+impl ToPython for u64 {
+    fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        Ok(self.into_pyobject(py)?.into_any().unbind())
+    }
+}
+
 impl ToPython for Capabilities {
     fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         Ok(capabilities_dict(py, self)?.into_any().unbind())
@@ -330,6 +336,24 @@ macro_rules! checkpoint_pymethods {
                 let api = self.$api()?;
                 let force = lmcache_rc_core::protocol::clear_force(force);
                 Ok($crate::protocol::start(py, || api.clear_async(force, all_tiers)))
+            }
+
+            /// Retires every listed generation of one namespace and
+            /// returns how many (other namespaces are untouched; pending
+            /// generations too). Their pages leave RAM and disk once no
+            /// lease holds them.
+            fn invalidate_namespace(&self, py: Python<'_>, namespace: &str) -> PyResult<Py<PyAny>> {
+                let api = self.$api()?;
+                $crate::protocol::call(py, || api.invalidate_namespace(namespace))
+            }
+            /// `invalidate_namespace` without waiting.
+            fn invalidate_namespace_async(
+                &self,
+                py: Python<'_>,
+                namespace: &str,
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || api.invalidate_namespace_async(namespace)))
             }
 
             $($own)*

@@ -155,6 +155,8 @@ const SQL_ROW_BY_ROWID: &str = "SELECT namespace, start_tokens, prefix_hash, tai
 const SQL_ROWID_BY_GENERATION: &str = "SELECT rowid FROM checkpoints WHERE generation = ?1";
 const SQL_ROW_BY_PREFIX: &str = "SELECT rowid, generation FROM checkpoints WHERE namespace = ?1 \
      AND start_tokens = ?2 AND prefix_hash = ?3 AND tail = ?4";
+const SQL_GENERATIONS_OF_NAMESPACE: &str =
+    "SELECT generation FROM checkpoints WHERE namespace = ?1 ORDER BY generation";
 const SQL_DELETE_ROW: &str = "DELETE FROM checkpoints WHERE rowid = ?1";
 const SQL_DELETE_TAIL: &str = "DELETE FROM checkpoint_tails WHERE generation = ?1";
 const SQL_SET_DURABLE: &str = "UPDATE checkpoint_tails SET durable = ?2 WHERE generation = ?1";
@@ -945,6 +947,19 @@ impl Directory {
                 generation.clone()
             })
             .collect())
+    }
+
+    /// The published generations of one namespace, ordered by id (the
+    /// primary key's leading column: an index range, never a scan).
+    /// Recency is not touched.
+    pub fn generations_of_namespace(&self, namespace: &str) -> Result<Vec<String>> {
+        let guard = self.lock()?;
+        let conn = guard.conn()?;
+        let mut stmt = conn.prepare_cached(SQL_GENERATIONS_OF_NAMESPACE).db()?;
+        let rows = stmt
+            .query_map(params![namespace], |row| row.get::<_, String>(0))
+            .db()?;
+        rows.map(|r| r.db()).collect()
     }
 
     /// The published manifest of a generation, without touching recency.

@@ -2,7 +2,8 @@
 //! its types. One owner for the contract:
 //!
 //! - [`Checkpoints`] is the operation set (capabilities, find, begin, abort,
-//!   the store and retrieve lease calls, status, clear, list). It is
+//!   the store and retrieve lease calls, status, clear, list, invalidate a
+//!   namespace). It is
 //!   implemented by the in-process [`CheckpointService`](crate::service::CheckpointService)
 //!   and by the RPC [`Client`](crate::rpc::Client); the RPC server decodes a
 //!   request into one call of it ([`crate::rpc::wire::Request::apply`]); the
@@ -135,4 +136,9 @@ operations! {
     fn clear / clear_async (force: bool, all_tiers: bool) -> ClearReport;
     /// Every listed generation, ordered by id (operators' `inspect`).
     fn list_generations / list_generations_async () -> Vec<GenerationInfo>;
+    /// Retires every listed generation of one namespace (other namespaces
+    /// are untouched) and answers how many; their pages leave L1 and L2
+    /// once no lease holds them. Pending generations are not touched.
+    /// A namespace outside 1..256 characters is refused (`InvalidInput`).
+    fn invalidate_namespace / invalidate_namespace_async (namespace: &str) -> u64;
 }

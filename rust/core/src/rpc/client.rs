@@ -615,6 +615,8 @@ operations! {
         = Request::Clear { force, all_tiers }, Value::into_clear;
     fn list_generations / list_generations_async () -> Vec<GenerationInfo>
         = Request::ListGenerations, Value::into_generations;
+    fn invalidate_namespace / invalidate_namespace_async (namespace: &str) -> u64
+        = Request::InvalidateNamespace { namespace: namespace.to_string() }, Value::into_count;
 }
 
 impl Drop for Client {

@@ -1111,4 +1111,7 @@ impl Checkpoints for Served<'_> {
     fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
         self.service().list_generations()
     }
+    fn invalidate_namespace(&self, namespace: &str) -> Result<u64> {
+        self.service().invalidate_namespace(namespace)
+    }
 }

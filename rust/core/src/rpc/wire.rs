@@ -191,6 +191,11 @@ pub enum Request {
     },
     /// 12 — every listed generation (operators' `inspect`). Reply: `Generations`.
     ListGenerations,
+    /// 13 — retires every listed generation of one namespace. Reply: `Count`.
+    InvalidateNamespace {
+        /// The namespace (1..256 characters).
+        namespace: String,
+    },
 }
 
 impl Request {
@@ -210,6 +215,7 @@ impl Request {
             Request::Status => "status",
             Request::Clear { .. } => "clear",
             Request::ListGenerations => "list_generations",
+            Request::InvalidateNamespace { .. } => "invalidate_namespace",
         }
     }
 
@@ -265,6 +271,9 @@ impl Request {
                     .map(Into::into)
                     .collect(),
             ),
+            Request::InvalidateNamespace { namespace } => {
+                Value::Count(target.invalidate_namespace(&namespace)?)
+            }
         })
     }
 }
@@ -455,6 +464,8 @@ pub enum Value {
     Clear(WireClear),
     /// 7 — list_generations.
     Generations(Vec<WireGeneration>),
+    /// 8 — invalidate_namespace.
+    Count(u64),
 }
 
 impl Value {
@@ -469,6 +480,7 @@ impl Value {
             Value::Status(_) => "Status",
             Value::Clear(_) => "Clear",
             Value::Generations(_) => "Generations",
+            Value::Count(_) => "Count",
         }
     }
 
@@ -529,6 +541,13 @@ impl Value {
         match self {
             Value::Clear(c) => Ok(c.into()),
             other => Err(other.unexpected("Clear")),
+        }
+    }
+    /// `Count`, else a protocol error.
+    pub fn into_count(self) -> Result<u64> {
+        match self {
+            Value::Count(n) => Ok(n),
+            other => Err(other.unexpected("Count")),
         }
     }
     /// `Generations`, else a protocol error.

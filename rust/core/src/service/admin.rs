@@ -9,6 +9,7 @@ use super::counters::Counter;
 use super::retrieve::release_readers;
 use super::state::{L1, L2};
 use crate::error::{Error, Result};
+use crate::identity::validate_namespace;
 use crate::protocol::{
     Capabilities, ClearReport, FORMAT_VERSION, GenerationInfo, PROTOCOL_VERSION, ServiceStatus,
 };
@@ -158,6 +159,31 @@ pub(super) fn clear(inner: &Arc<Inner>, force: bool, all_tiers: bool) -> Result<
     }
     st.count(Counter::Clears, 1);
     Ok(report)
+}
+
+/// Retires every listed generation of one namespace and answers how many.
+///
+/// Scoped: other namespaces are untouched (object keys name their
+/// namespace, so no page is shared across namespaces). Each generation is
+/// unlisted in the state first and removed from the directory when the
+/// guard is released (the eviction path's order); its pages go from L1 and
+/// L2 once nothing holds them (a retrieve lease in flight keeps its pages
+/// until it is finished). A generation whose publication is still
+/// acknowledging, and pending ones, are not touched: they are not listed yet.
+pub(super) fn invalidate_namespace(inner: &Arc<Inner>, namespace: &str) -> Result<u64> {
+    validate_namespace(namespace)?;
+    let generations = inner.dir.generations_of_namespace(namespace)?;
+    let mut st = inner.lock();
+    let mut retired = 0;
+    for generation in generations {
+        let name: Arc<str> = Arc::from(generation.as_str());
+        if st.unlist_generation(&generation) {
+            st.to_retire.push(name);
+            retired += 1;
+        }
+    }
+    st.count(Counter::InvalidatedGenerations, retired);
+    Ok(retired)
 }
 
 /// Every listed generation, ordered by id (pages through the directory).

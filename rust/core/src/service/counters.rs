@@ -79,6 +79,8 @@ named_enum! {
         RestartRetired = "restart_retired",
         /// Clears performed.
         Clears = "clears",
+        /// Generations retired by `invalidate_namespace`.
+        InvalidatedGenerations = "invalidated_generations",
         /// Store leases aborted because their process was gone.
         ReclaimedStoreLeases = "reclaimed_store_leases",
         /// Retrieve leases released because their process was gone.

@@ -216,6 +216,9 @@ impl Checkpoints for CheckpointService {
     fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
         admin::clear(&self.inner, force, all_tiers)
     }
+    fn invalidate_namespace(&self, namespace: &str) -> Result<u64> {
+        admin::invalidate_namespace(&self.inner, namespace)
+    }
     fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
         admin::list_generations(&self.inner)
     }
