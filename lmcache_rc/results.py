@@ -58,6 +58,7 @@ class ServiceStatus(TypedDict):
     objects: int
     l2_objects: int
     l2_bytes: int
+    l2_capacity: int
     l2_bytes_written: int
     l2_queue: int
     l2_write_retrying: int
@@ -84,6 +85,8 @@ class ServiceStatus(TypedDict):
     admission_busy: int
     published: int
     hits: int
+    restored_pages: int
+    restored_tokens: int
     evictions: int
     l1_evictions: int
     l2_evictions: int

@@ -32,13 +32,14 @@ pub(super) fn capabilities(inner: &Inner) -> Capabilities {
 pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
     let dir = inner.dir.status()?;
     let io_queue = inner.io.lock().as_ref().map_or(0, |io| io.queued() as u64);
-    let (l2_objects, l2_bytes, written) = match &inner.l2 {
+    let (l2_objects, l2_bytes, l2_capacity, written) = match &inner.l2 {
         Some(l2) => (
             l2.object_count() as u64,
             l2.used_bytes(),
+            l2.capacity().unwrap_or(0),
             l2.bytes_written(),
         ),
-        None => (0, 0, 0),
+        None => (0, 0, 0, 0),
     };
     let st = inner.lock();
     let queued = st.objects.values().filter(|o| o.l2 == L2::Queued).count() as u64;
@@ -55,6 +56,8 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         ("objects", st.objects.len() as u64),
         ("l2_objects", l2_objects),
         ("l2_bytes", l2_bytes),
+        // 0: no L2 tier, or one without a byte limit.
+        ("l2_capacity", l2_capacity),
         ("l2_bytes_written", written),
         ("l2_queue", queued.max(io_queue)),
         ("l2_write_retrying", inner.upkeep.retries_waiting() as u64),
