@@ -765,6 +765,7 @@ mod tests {
         ServiceStatus {
             values: own(values),
             misses: own(misses),
+            ..ServiceStatus::default()
         }
     }
 
