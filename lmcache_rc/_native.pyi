@@ -48,6 +48,7 @@ __all__ = [
     "checkpoint_namespace",
     "default_l1_bytes",
     "default_socket_path",
+    "human_size",
     "shared_gc",
     "shared_min_gc_age",
 ]
@@ -68,6 +69,7 @@ def default_socket_path() -> str: ...
 def default_l1_bytes() -> int: ...
 def shared_gc(url: str, older_than: float) -> dict[str, object]: ...
 def shared_min_gc_age() -> float: ...
+def human_size(bytes: int) -> str: ...
 
 _Path: TypeAlias = str | os.PathLike[str]
 
@@ -105,10 +107,10 @@ class ServerConfig:
         *,
         socket: _Path = ...,
         shm_name: str | None = ...,
-        l1_bytes: int = ...,
+        l1_bytes: int | str = ...,
         checkpoint_index_path: _Path | None = ...,
         l2_path: _Path | None = ...,
-        l2_bytes: int | None = ...,
+        l2_bytes: int | str | None = ...,
         http_host: str = ...,
         http_port: int = ...,
         http_max_connections: int = ...,

@@ -23,8 +23,13 @@ Sub-commands:
   manifests from the shared tier, then the pages no remaining manifest names
   (see :mod:`lmcache_rc.shared`).
 
-Exit codes: 0 success, 1 operation failed, 2 bad input, 3 sidecar unreachable,
-4 refused (e.g. a forced clear while leases are live).
+Exit codes (also in ``docs/operations.md``): 0 success, 1 operation failed,
+2 bad input (a usage error: a flag, an ``LMCACHE_RC_*`` variable, a setting),
+3 sidecar unreachable, 4 refused (e.g. a forced clear while leases are live),
+130 interrupted (Ctrl-C), 141 output closed early (``lmcache-rc status | head``).
+No traceback reaches the terminal for any of these; an unexpected failure
+prints one line and exits 1 (``LMCACHE_RC_DEBUG=1`` shows its traceback).
+Sizes are printed in binary units (``8.0 GiB``); ``--json`` keeps raw integers.
 """
 
 from __future__ import annotations
@@ -32,15 +37,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lmcache_rc as rc
 from lmcache_rc import admin
-from lmcache_rc.config import ServerConfig
+from lmcache_rc.config import ServerConfig, human_size
 from lmcache_rc.results import ClearReport
 
 SAMPLE_IDENTITY: dict[str, Any] = {
@@ -53,14 +60,53 @@ SAMPLE_IDENTITY: dict[str, Any] = {
 SAMPLE_TEXT = "You are a helpful assistant. Summarise the following document."
 
 
+class UsageError(ValueError):
+    """Bad input on the command line (exit 2): the message names the flag
+    and shows an accepted value."""
+
+
+TOKENS_EXAMPLE = "--tokens '[1, 2, 3]'"
+
+
+def _parse_tokens(text: str) -> list[int]:
+    """``--tokens``: a JSON list of integer token ids."""
+    try:
+        tokens = json.loads(text)
+    except ValueError:
+        tokens = None
+    if not isinstance(tokens, list):
+        raise UsageError(
+            f"--tokens must be a JSON list of token ids (integers), e.g. {TOKENS_EXAMPLE}; "
+            f"got {text!r}"
+        )
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise UsageError(
+                f"--tokens: token ids must be integers, got {json.dumps(token)} at index {i} "
+                f"(e.g. {TOKENS_EXAMPLE})"
+            )
+    return tokens
+
+
+def _parse_identity(text: str) -> Any:
+    """``--identity``: a JSON object (checked further by the core)."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UsageError(
+            f"--identity must be a JSON object such as {json.dumps(SAMPLE_IDENTITY)}; "
+            f"it is not JSON ({exc})"
+        ) from None
+
+
 def _text_tokens(text: str) -> list[int]:
     """Toy tokenizer for the sample: one token per UTF-8 byte (stable, no downloads)."""
     return list(text.encode("utf-8"))
 
 
 def _identity_report(args: argparse.Namespace) -> dict[str, Any]:
-    identity = json.loads(args.identity) if args.identity else SAMPLE_IDENTITY
-    tokens = json.loads(args.tokens) if args.tokens else _text_tokens(args.text)
+    identity = _parse_identity(args.identity) if args.identity else SAMPLE_IDENTITY
+    tokens = _parse_tokens(args.tokens) if args.tokens is not None else _text_tokens(args.text)
     namespace = rc.checkpoint_namespace(identity, args.salt)
     roots = rc.TokenRoots.build(namespace, tokens, args.chunk_tokens)
     report: dict[str, Any] = {
@@ -101,18 +147,36 @@ def _cmd_identity(args: argparse.Namespace) -> int:
 
 
 _KIND_HINTS = {
-    "bytes": " (bytes; K, M, G, T suffixes, e.g. 4G)",
-    "seconds": " (seconds)",
+    "bytes": "a size: bytes, or a number with a binary unit K/KiB, M/MiB, G/GiB, T/TiB, e.g. 8GiB",
+    "seconds": "seconds, e.g. 2.5",
 }
 
 
+def human_duration(seconds: int) -> str:
+    """An uptime for people: ``45s``, ``3m 05s``, ``2h 03m``, ``4d 01h``."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
 def _flag_parser(name: str, kind: str) -> Callable[[str], object]:
-    """Parses a flag's text as the setting ``name`` (argparse ``type=``)."""
+    """Parses a flag's text as the setting ``name`` (argparse ``type=``); a
+    bad value is an argparse error naming the flag, with an example."""
 
     def parse(text: str) -> object:
-        return ServerConfig.parse(name, text)
+        try:
+            return ServerConfig.parse(name, text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parse.__name__ = kind  # argparse names the kind in its error message
+    parse.__name__ = kind
     return parse
 
 
@@ -121,7 +185,8 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     not given is absent from the namespace: the environment, then the
     setting's default, apply."""
     for name, kind, optional, doc in ServerConfig.fields():
-        hint = _KIND_HINTS.get(kind, "") + (" or none" if optional else "")
+        hints = [h for h in (_KIND_HINTS.get(kind), "or none" if optional else None) if h]
+        hint = f" ({'; '.join(hints)})" if hints else ""
         p.add_argument(
             "--" + name.replace("_", "-"),
             type=_flag_parser(name, kind),
@@ -136,6 +201,16 @@ def _config_from(args: argparse.Namespace) -> ServerConfig:
     given = {name: getattr(args, name) for name, *_ in ServerConfig.fields() if hasattr(args, name)}
     unset = {name: None for name, value in given.items() if value is None}
     return ServerConfig.from_env(**given).replace(**unset)
+
+
+def _stop_text(report: dict[str, Any]) -> str:
+    """A shutdown report (``Server.stop()``) as one sentence."""
+    if report.get("drained", True):
+        text = "every lease finished"
+    else:
+        text = f"{report.get('live_leases', 0)} lease(s) still live after the drain timeout"
+    error = report.get("close_error")
+    return text + (f"; closing the service failed: {error}" if error else "")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -154,17 +229,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = rc.Server.start(config, temp_socket=False)
     caps = rc.Client(server.socket_path).capabilities()
     print(f"  socket      {server.socket_path}", flush=True)
-    print(f"  shm pool    memfd {caps['pool_id']} ({caps['pool_size']} bytes)", flush=True)
+    print(
+        f"  shm pool    {human_size(caps['pool_size'])} (memfd {caps['pool_id']})",
+        flush=True,
+    )
     print(f"  directory   {config.checkpoint_index_path or 'in memory (not durable)'}", flush=True)
-    print(f"  l2          {config.l2_path or 'none'}", flush=True)
+    l2 = config.l2_path
+    if l2:
+        cap = "unlimited" if config.l2_bytes is None else f"at most {human_size(config.l2_bytes)}"
+        print(f"  l2          {l2} ({cap})", flush=True)
+    else:
+        print("  l2          none (RAM only)", flush=True)
     print(f"  shared      {config.shared_url or 'none'}", flush=True)
     if server.http_url:
         print(f"  http admin  {server.http_url}", flush=True)
     print("ready", flush=True)
     while not stop.wait(0.5):
         pass
-    server.stop()
-    print("lmcache-rc: stopped cleanly", flush=True)
+    report = dict(server.stop())
+    if report.get("close_error"):
+        print(f"lmcache-rc: stopped: {_stop_text(report)}", file=sys.stderr, flush=True)
+        return 1
+    print(f"lmcache-rc: stopped cleanly ({_stop_text(report)})", flush=True)
     return 0
 
 
@@ -178,24 +264,70 @@ def _client(args: argparse.Namespace) -> rc.Client:
     return rc.Client(_socket(args))
 
 
+# The facts `status` prints first, in this order (the rest are counters).
+_STATUS_FACTS = (
+    ("version", "version"),
+    ("uptime", "uptime_seconds"),
+    ("socket", "socket"),
+    ("pool size", "l1_capacity"),
+    ("pool used", "l1_bytes"),
+    ("index", "checkpoint_index_path"),
+    ("l2 path", "l2_path"),
+)
+
+
+def _is_size(key: str) -> bool:
+    """Whether a status value counts bytes (printed in binary units)."""
+    return key.endswith(("_bytes", "_capacity")) or "_bytes_" in key
+
+
+def _status_value(key: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if key == "uptime_seconds":
+        return human_duration(value)
+    if key == "checkpoint_index_path" and not value:
+        return "in memory (not durable)"
+    if isinstance(value, int) and _is_size(key):
+        return human_size(value)
+    return str(value)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
-    status = _client(args).status()
+    status: dict[str, Any] = dict(_client(args).status())
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
-    values = {key: value for key, value in status.items() if key != "misses"}
-    width = max(len(k) for k in values)
-    for key, value in sorted(values.items()):
-        print(f"{key:<{width}}  {value}")
-    misses = status["misses"]
-    print("misses" + "".join(f"\n  {k}: {v}" for k, v in sorted(misses.items())) or "")
+    facts = [(label, _status_value(key, status.get(key))) for label, key in _STATUS_FACTS]
+    if status.get("l2_path"):
+        facts.append(("l2 used", _status_value("l2_bytes", status.get("l2_bytes", 0))))
+    shown = {key for _, key in _STATUS_FACTS} | {"misses"}
+    counters = {k: v for k, v in status.items() if k not in shown}
+    width = max(len(k) for k in [*counters, *(label for label, _ in facts)])
+    for label, text in facts:
+        print(f"{label:<{width}}  {text}")
+    print()
+    for key, value in sorted(counters.items()):
+        print(f"{key:<{width}}  {_status_value(key, value)}")
+    misses: dict[str, int] = status.get("misses") or {}
+    if misses:
+        print(f"{'misses':<{width}}")
+        for reason, count in sorted(misses.items()):
+            print(f"  {reason:<{width - 2}}  {count}")
+    else:
+        print(f"{'misses':<{width}}  none")
     return 0
 
 
 def _cmd_clear(args: argparse.Namespace) -> int:
     socket = _socket(args)
     endpoint = admin.read_admin_file(socket)
-    what = "RAM (L1)" + (" and disk (L2)" if args.all_tiers else "")
+    # Reach the sidecar (and learn whether it has a disk tier) before saying
+    # what is being cleared.
+    has_l2 = bool(rc.Client(socket).status().get("l2_path"))
+    what = "RAM (L1)"
+    if args.all_tiers:
+        what += " and disk (L2)" if has_l2 else " (no disk tier (L2) is configured)"
     how = "kept: pages in use" if args.force is False else "forced"
     via = f"HTTP admin {endpoint.url}" if endpoint else f"socket {socket}"
     print(f"clearing {what} ({how}) via {via}...", file=sys.stderr)
@@ -207,9 +339,12 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         report = rc.Client(socket).clear(force=args.force, all_tiers=args.all_tiers)
     if args.json:
         print(json.dumps(report, sort_keys=True))
-    else:
-        for key, value in sorted(report.items()):
-            print(f"{key}: {value}")
+        return 0
+    print(f"RAM (L1): {report['l1_objects']} object(s), {human_size(report['l1_bytes'])} freed")
+    if has_l2:
+        print(f"disk (L2): {report['l2_objects']} file(s) deleted")
+    print(f"generations retired: {report['retired_generations']}")
+    print(f"kept (in use): {report['kept_objects']} object(s)")
     return 0
 
 
@@ -221,11 +356,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if not rows:
         print("no published generations")
         return 0
-    print(f"{'generation':<40} {'tokens':>8} {'ranks':>5} {'bytes':>12} durable")
+    print(f"{'generation':<40} {'tokens':>8} {'ranks':>5} {'size':>12} durable")
     for r in rows:
         print(
             f"{r['generation'][:40]:<40} {r['num_tokens']:>8} {r['world_size']:>5} "
-            f"{r['payload_bytes']:>12} {'yes' if r['durable'] else 'no'}"
+            f"{human_size(r['payload_bytes']):>12} {'yes' if r['durable'] else 'no'}"
         )
     return 0
 
@@ -400,26 +535,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_stdout() -> None:
+    """Points stdout at /dev/null after the reader went away (``| head``), so
+    the interpreter's final flush cannot fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (see the module docs)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
         code: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
+    except KeyboardInterrupt:
+        return 130
     except rc.errors.Unavailable as exc:
         print(f"lmcache-rc: sidecar unreachable: {exc}", file=sys.stderr)
         return 3
     except rc.errors.LeasesLive as exc:
         print(f"lmcache-rc: refused: {exc}", file=sys.stderr)
         return 4
-    except (rc.errors.InvalidInput, ValueError) as exc:
+    except (rc.errors.InvalidInput, rc.errors.InvalidType, ValueError) as exc:
         print(f"lmcache-rc: error: {exc}", file=sys.stderr)
         return 2
-    except rc.errors.CheckpointError as exc:
+    except (rc.errors.CheckpointError, OSError) as exc:
         print(f"lmcache-rc: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the last line of defence: one line, exit 1
+        if os.environ.get("LMCACHE_RC_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        print(
+            f"lmcache-rc: unexpected error: {type(exc).__name__}: {exc} "
+            "(LMCACHE_RC_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
     return code
 

@@ -10,9 +10,12 @@ Python class (``lmcache_rc._native.ServerConfig``). Every setting is also a
 The class is strict and immutable: an unknown setting or a value of the wrong
 type raises :class:`~lmcache_rc.errors.InvalidType` (a ``TypeError``), a value
 out of range :class:`~lmcache_rc.errors.InvalidInput` (a ``ValueError``).
-Defaults need no flags: the socket and the SQLite directory live under the
-user's runtime and cache directories, and the shared-memory pool takes at most
-a quarter of the available memory (up to 1 GiB). The pool has no name: it is an
+Sizes are written ``8G``, ``512MiB`` or ``1.5GiB`` (every unit binary) in flags,
+variables and ``ServerConfig(l1_bytes="8G")`` alike. Defaults need no flags: the
+socket lives under the user's runtime directory, the directory in memory
+(``--checkpoint-index-path`` makes it durable; missing folders above it are
+created, 0700), and the shared-memory pool takes at most a quarter of the
+available memory (up to 1 GiB). The pool has no name: it is an
 anonymous memfd the sidecar hands to each client over its socket, so two
 servers on one host never collide (``shm_name`` is accepted for old
 configurations, ignored, and warned about).
@@ -31,6 +34,7 @@ __all__ = [
     "default_index_path",
     "default_l1_bytes",
     "default_socket_path",
+    "human_size",
 ]
 
 
@@ -42,6 +46,13 @@ def default_socket_path() -> str:
 def default_l1_bytes() -> int:
     """A quarter of the available memory, at most 1 GiB, at least 16 MiB."""
     return _native.default_l1_bytes()
+
+
+def human_size(n: int) -> str:
+    """A size for people in binary units (``8.0 GiB``, ``100 bytes``), as
+    the core's messages print sizes. Sizes are *read* in the grammar of
+    ``docs/configuration.md`` (``8G``, ``512MiB``)."""
+    return _native.human_size(n)
 
 
 def default_index_path() -> str:

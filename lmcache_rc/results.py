@@ -40,8 +40,11 @@ class Capabilities(TypedDict):
 class ServiceStatus(TypedDict):
     """Counters and gauges of the checkpoint service (``status()``).
 
-    Every value is an integer, ``misses`` maps a miss reason to its count.
-    A newer server may add keys; these are the ones this build reports.
+    Every counter and gauge is an integer, ``misses`` maps a miss reason to
+    its count, and the facts (``version``, ``socket``,
+    ``checkpoint_index_path``, ``l2_path``) are strings or None. HTTP
+    ``GET /status`` answers the same keys. A newer server may add keys;
+    these are the ones this build reports.
     """
 
     generations: int
@@ -55,6 +58,7 @@ class ServiceStatus(TypedDict):
     objects: int
     l2_objects: int
     l2_bytes: int
+    l2_capacity: int
     l2_bytes_written: int
     l2_queue: int
     l2_write_retrying: int
@@ -81,6 +85,8 @@ class ServiceStatus(TypedDict):
     admission_busy: int
     published: int
     hits: int
+    restored_pages: int
+    restored_tokens: int
     evictions: int
     l1_evictions: int
     l2_evictions: int
@@ -138,7 +144,17 @@ class ServiceStatus(TypedDict):
     shared_fetch_missing: int
     shared_errors: int
     shared_requests: int
+    uptime_seconds: int
+    """Whole seconds since the service opened."""
     misses: dict[str, int]
+    version: str
+    """The version of the server's build."""
+    socket: str | None
+    """The RPC server's socket (None for a service in process)."""
+    checkpoint_index_path: str | None
+    """The durable directory's SQLite file (None: in memory)."""
+    l2_path: str | None
+    """The L2 directory (None: no L2)."""
 
 
 class RpcStatus(ServiceStatus):

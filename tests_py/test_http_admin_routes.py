@@ -70,33 +70,56 @@ def test_the_documented_routes_are_exactly_the_servers_routes(server: rc.Server)
         assert set(json.loads(body)) == {"error", "message"}
 
 
-def test_status_is_the_service_status_without_the_rpc_counters(server: rc.Server) -> None:
+def test_status_over_http_has_the_keys_of_the_socket_status(server: rc.Server) -> None:
     code, content_type, body = call(f"{server.http_url}/status")
     assert (code, content_type) == (200, "application/json")
     over_http = json.loads(body)
     over_socket = rc.Client(server.socket_path).status()
-    rpc_only = {k for k in over_socket if k.startswith("rpc_")}
+    rpc_values = {k for k in over_socket if k.startswith("rpc_")}
     documented = DOC.read_text(encoding="utf-8").split("| `GET /status` |", 1)[1].split("\n")[0]
-    assert rpc_only and all(f"`{k}`" in documented for k in rpc_only), rpc_only
-    assert set(over_http) == set(over_socket) - rpc_only
+    assert rpc_values and all(f"`{k}`" in documented for k in rpc_values), rpc_values
+    assert set(over_http) == set(over_socket)
+    for fact in ("version", "socket", "checkpoint_index_path", "l2_path"):
+        assert f"`{fact}`" in documented, fact
+        assert over_http[fact] == over_socket[fact], fact  # type: ignore[literal-required]
+    assert over_http["socket"] == server.socket_path
     assert over_http["misses"] == {}, "only reasons that occurred are listed"
 
 
-def test_metrics_has_one_gauge_per_status_value(server: rc.Server) -> None:
+def documented_series() -> dict[str, tuple[str, str]]:
+    """``/status`` key -> (series, type) from the table of docs/operations.md
+    ("Metrics"): its last column names the status keys each series carries."""
+    section = DOC.read_text(encoding="utf-8").split("## Metrics (`GET /metrics`)", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = re.findall(
+        r"^\| `(lmcache_rc_\w+)` \| (counter|gauge) \|.*\| ([^|]*) \|$", section, re.M
+    )
+    return {
+        key: (series, kind) for series, kind, keys in rows for key in re.findall(r"`(\w+)`", keys)
+    }
+
+
+def test_metrics_has_the_documented_series_for_every_status_value(server: rc.Server) -> None:
     code, content_type, body = call(f"{server.http_url}/metrics")
     assert (code, content_type) == (200, "text/plain; version=0.0.4; charset=utf-8")
     status = json.loads(call(f"{server.http_url}/status")[2])
-    for name in status:
-        if name != "misses":
-            assert f"# TYPE lmcache_rc_{name} gauge" in body, name
-    assert "lmcache_rc_misses{" not in body, "no miss happened yet"
+    documented = documented_series()
+    for name, value in status.items():
+        if isinstance(value, str) or value is None:
+            continue  # the text facts (version, socket, paths) are not series
+        assert name in documented, f"{name} has no row in the metrics table"
+        series, kind = documented[name]
+        assert f"# TYPE {series} {kind}" in body, (name, series, kind)
+        assert re.search(rf"^{series}(\{{.*\}})? \d+$", body, re.M), (name, series)
+    # Every miss reason is a series from the start.
+    assert 'lmcache_rc_misses_total{reason="not_pending"} 0' in body
     # A store lease for a generation that was never begun misses: not_pending.
     manifest, _ = make_manifest(list(range(48)), world=1)
     lease = rc.Client(server.socket_path).prepare_store(manifest, 0)
     assert lease.status == "miss"
     assert json.loads(call(f"{server.http_url}/status")[2])["misses"] == {"not_pending": 1}
     body = call(f"{server.http_url}/metrics")[2]
-    assert 'lmcache_rc_misses{reason="not_pending"} 1' in body
+    assert 'lmcache_rc_misses_total{reason="not_pending"} 1' in body
 
 
 def test_clear_reads_force_and_all_tiers_as_documented(server: rc.Server) -> None:

@@ -37,7 +37,9 @@ def test_service_and_server_results_match_their_typed_dicts(tmp_path: Path) -> N
             assert_shape(client.capabilities(), results.Capabilities)
             status = client.status()
             assert_shape(status, results.RpcStatus)
-            assert all(isinstance(v, int) for k, v in status.items() if k != "misses")
+            facts = {"misses", "version", "socket", "checkpoint_index_path", "l2_path"}
+            assert all(isinstance(v, int) for k, v in status.items() if k not in facts)
+            assert status["socket"] == server.socket_path and status["l2_path"] is None
             assert_shape(server.status(), results.RpcStatus)
             m, _ = make_manifest(list(range(32)), world=1)
             assert client.begin(m)

@@ -160,7 +160,7 @@ def test_default_socket_gets_a_private_temporary_directory() -> None:
         with urllib.request.urlopen(a.http_url + "/status", timeout=10) as reply:
             assert json.loads(reply.read())["generations"] == 0
         metrics = urllib.request.urlopen(a.http_url + "/metrics", timeout=10).read().decode()
-        assert "lmcache_rc_l1_capacity 1048576" in metrics
+        assert 'lmcache_rc_tier_capacity_bytes{tier="L1"} 1048576' in metrics
         sock = Path(a.socket_path)
         assert stat.S_ISSOCK(sock.stat().st_mode)
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600

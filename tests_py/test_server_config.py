@@ -26,7 +26,7 @@ def test_unknown_settings_raise_and_name_the_known_ones() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("l1_bytes", "8388608"),
+        ("l1_bytes", b"8388608"),
         ("l1_bytes", True),
         ("l1_bytes", 4096.0),
         ("max_leases", None),
@@ -122,8 +122,11 @@ def test_checkpoint_service_takes_a_server_config_and_honours_every_setting(
     # default). The ServerConfig refactor made the config strict; this pins it.
     with pytest.raises(TypeError):
         rc.CheckpointService({"l1_bytes": 1 << 20})  # type: ignore[arg-type]
+    # A size as text is a size, as in flags and variables (docs/configuration.md);
+    # anything else that is not an int is still a TypeError.
+    assert rc.ServerConfig(l1_bytes="1M").l1_bytes == 1 << 20
     with pytest.raises(TypeError):
-        rc.ServerConfig(l1_bytes="1M")  # type: ignore[arg-type]
+        rc.ServerConfig(l1_bytes=b"1M")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="l1_byte"):
         rc.ServerConfig(l1_byte=1 << 20)  # type: ignore[call-arg]
     config = rc.ServerConfig(

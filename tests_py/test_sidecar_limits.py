@@ -28,9 +28,10 @@ from lmcache_rc import errors
 
 IS_ROOT = os.geteuid() == 0
 OTHER_USER = "lmrc-hardening"
-#: The wire protocol spoken by the raw connections (2: the pool's descriptor
-#: rides the welcome; a plain ``recv`` discards it).
-PROTOCOL_VERSION = 2
+#: The wire protocol spoken by the raw connections (rust/core/src/protocol/mod.rs;
+#: 2: the pool's descriptor rides the welcome, a plain ``recv`` discards it;
+#: 3: the status carries the server's facts).
+PROTOCOL_VERSION = 3
 REPO = Path(__file__).resolve().parent.parent
 
 

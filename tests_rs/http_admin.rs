@@ -52,6 +52,7 @@ fn status_and_metrics_describe_the_service_over_http() {
     assert_eq!(status["generations"], 1);
     assert_eq!(status["l1_objects"], 5);
     assert!(status["misses"].is_object());
+    // Without `Accept: application/openmetrics-text`: the Prometheus text format.
     let (code, body) = request(&admin, "GET", "/metrics");
     assert_eq!(code, 200);
     let mut seen = 0;
@@ -62,13 +63,34 @@ fn status_and_metrics_describe_the_service_over_http() {
         let (name, value) = line.rsplit_once(' ').unwrap();
         assert!(name.starts_with("lmcache_rc_"), "{line}");
         value.parse::<f64>().unwrap();
-        if name == "lmcache_rc_generations" {
-            assert_eq!(value, "1");
-        }
         seen += 1;
     }
-    assert!(seen >= 10, "{body}");
-    assert!(body.trim_end().ends_with("# EOF"));
+    assert!(seen >= 40, "{body}");
+    for line in [
+        "lmcache_rc_generations 1",
+        "lmcache_rc_tier_objects{tier=\"L1\"} 5",
+        "# TYPE lmcache_rc_published_generations_total counter",
+        "lmcache_rc_published_generations_total 1",
+    ] {
+        assert!(
+            body.lines().any(|l| l == line),
+            "{line} missing from\n{body}"
+        );
+    }
+    assert!(
+        !body.contains("# EOF") && !body.contains("# UNIT"),
+        "{body}"
+    );
+    // Prometheus asks for OpenMetrics and gets it.
+    let accept = "Accept: application/openmetrics-text;version=1.0.0;q=0.5,text/plain;q=0.4\r\n";
+    let (code, open) = request_with(&admin, "GET", "/metrics", accept);
+    assert_eq!(code, 200);
+    assert!(
+        open.lines()
+            .any(|l| l == "# TYPE lmcache_rc_published_generations counter"),
+        "{open}"
+    );
+    assert!(open.trim_end().ends_with("# EOF"), "{open}");
     assert_eq!(request(&admin, "GET", "/nope").0, 404);
     assert_eq!(request(&admin, "GET", "/clear").0, 405);
     let auth = format!("Authorization: Bearer {}\r\n", admin.token().as_str());
@@ -275,4 +297,34 @@ fn a_request_that_panics_answers_500_and_the_server_keeps_serving() {
     assert_eq!(code, 200, "{body}");
     drop(admin);
     assert_idle(&inner);
+}
+
+#[test]
+fn every_status_value_of_a_sidecar_has_a_described_series() {
+    use lmcache_rc_core::metrics::{self, FAMILIES, Format};
+    // The RPC server's status: the service's values and the RPC layer's.
+    let rig = crate::rpc_common::rig("metrics-keys");
+    let status = rig.server.status().unwrap();
+    for key in status.values.keys() {
+        assert!(metrics::series_of(key).is_some(), "{key} has no series");
+    }
+    let text = metrics::exposition(&status, Format::OpenMetrics).unwrap();
+    assert!(!text.contains("has no description"), "{text}");
+    for family in FAMILIES {
+        let kind = match family.kind {
+            metrics::Kind::Counter => "counter",
+            metrics::Kind::Gauge => "gauge",
+        };
+        let line = format!("# TYPE {} {kind}", family.full_name());
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing from\n{text}"
+        );
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(&family.sample_name()) && !l.starts_with('#')),
+            "no sample of {}",
+            family.full_name()
+        );
+    }
 }

@@ -129,8 +129,16 @@ fn value() -> impl Strategy<Value = Value> {
             }),
         proptest::option::of(manifest()).prop_map(Value::Manifest),
         lease().prop_map(Value::Lease),
-        (counters(), counters())
-            .prop_map(|(values, misses)| Value::Status(WireStatus { values, misses })),
+        (
+            counters(),
+            counters(),
+            proptest::collection::vec(("[a-z_]{1,12}", proptest::option::of("[ -~]{0,24}")), 0..4)
+        )
+            .prop_map(|(values, misses, info)| Value::Status(WireStatus {
+                values,
+                misses,
+                info
+            })),
         any::<[u64; 5]>().prop_map(|[a, b, c, d, e]| Value::Clear(WireClear {
             l1_objects: a,
             l1_bytes: b,

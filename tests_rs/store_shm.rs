@@ -132,7 +132,10 @@ fn a_pool_larger_than_the_available_memory_fails_at_creation() {
     let err = ShmPool::create(size).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::OutOfSpace, "{err}");
     let message = err.to_string();
-    assert!(message.contains(&size.to_string()), "{message}");
+    // Sizes for people: "cannot reserve 20.0 GiB ...: only 16.0 GiB are available".
+    let wanted = lmcache_rc_core::config::human_size(size);
+    assert!(message.contains(&format!("reserve {wanted} ")), "{message}");
+    assert!(!message.contains(&size.to_string()), "raw bytes: {message}");
     assert!(message.contains("lower --l1-bytes"), "{message}");
 }
 

@@ -27,7 +27,7 @@ pub enum FieldKind {
     Path,
     /// A string.
     Text,
-    /// A byte count (the CLI also accepts K, M, G, T suffixes).
+    /// A byte count; as text, a size ([`parse_size`]: `8G`, `512MiB`).
     Bytes,
     /// A non-negative integer.
     Count,
@@ -50,54 +50,107 @@ impl FieldKind {
         }
     }
 
+    /// An accepted example of this kind's text, for error messages.
+    pub fn example(self) -> &'static str {
+        match self {
+            FieldKind::Path => "/var/lib/lmcache-rc/checkpoints.sqlite",
+            FieldKind::Text => "127.0.0.1",
+            FieldKind::Bytes => "8GiB",
+            FieldKind::Count => "64",
+            FieldKind::Signed => "-1",
+            FieldKind::Seconds => "2.5",
+        }
+    }
+
     /// Parses a value of this kind from text (a flag or an environment
     /// variable). `""` and `"none"` (any case) are absent for an optional
-    /// setting.
+    /// setting. The error says what was expected and shows an example; the
+    /// caller prefixes the flag or variable.
     pub fn parse(self, text: &str, optional: bool) -> Result<Option<FieldValue>> {
+        self.parse_as(text, optional, self.example())
+    }
+
+    /// [`FieldKind::parse`] with the example its error shows.
+    fn parse_as(self, text: &str, optional: bool, example: &str) -> Result<Option<FieldValue>> {
         let t = text.trim();
         if optional && (t.is_empty() || t.eq_ignore_ascii_case("none")) {
             return Ok(None);
         }
-        let bad = |what: &str| Error::invalid(format!("expected {what}, got {text:?}"));
+        let bad = |what: &str| {
+            Error::invalid(format!(
+                "expected {what}{}, got {text:?} (e.g. {example})",
+                if optional { " or none" } else { "" },
+            ))
+        };
         let value = match self {
             FieldKind::Path => FieldValue::Path(PathBuf::from(text)),
             FieldKind::Text => FieldValue::Text(text.to_string()),
-            FieldKind::Bytes => FieldValue::Unsigned(parse_size(t).ok_or_else(|| {
-                bad("a byte count (an integer, optionally with a K, M, G or T suffix)")
-            })?),
+            FieldKind::Bytes => {
+                FieldValue::Unsigned(parse_size(t).ok_or_else(|| bad(SIZE_GRAMMAR))?)
+            }
             FieldKind::Count => {
                 FieldValue::Unsigned(t.parse().map_err(|_| bad("a non-negative integer"))?)
             }
             FieldKind::Signed => FieldValue::Signed(t.parse().map_err(|_| bad("an integer"))?),
             FieldKind::Seconds => {
                 let s: f64 = t.parse().map_err(|_| bad("a number of seconds"))?;
-                FieldValue::Seconds(seconds(s)?)
+                FieldValue::Seconds(
+                    seconds(s).map_err(|_| bad("a non-negative number of seconds"))?,
+                )
             }
         };
         Ok(Some(value))
     }
 }
 
-/// A byte count with an optional binary suffix (`512`, `4K`, `1.5G`, `2GiB`).
-fn parse_size(text: &str) -> Option<u64> {
-    let t = text.to_ascii_lowercase();
-    let t = t
-        .strip_suffix("ib")
-        .or_else(|| t.strip_suffix('b'))
-        .unwrap_or(&t);
-    let (number, unit) = match t.char_indices().last() {
-        Some((i, 'k')) => (&t[..i], 1u64 << 10),
-        Some((i, 'm')) => (&t[..i], 1 << 20),
-        Some((i, 'g')) => (&t[..i], 1 << 30),
-        Some((i, 't')) => (&t[..i], 1 << 40),
-        _ => (t, 1),
+/// What a size may look like (error messages, `docs/configuration.md`).
+pub const SIZE_GRAMMAR: &str = "a size: a whole number of bytes, or a number with a binary unit \
+     K/KB/KiB, M/MB/MiB, G/GB/GiB or T/TB/TiB (any case; every unit is a power of 1024)";
+
+/// A size: a number of bytes with an optional unit (`512`, `4K`, `1.5G`,
+/// `2GiB`, `8 gb`). Every unit is binary (K = KB = KiB = 1024 bytes); a
+/// fraction must come out as whole bytes. None for anything else.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = (&t[..split], t[split..].trim());
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
     };
-    if unit == 1 {
-        return number.parse().ok();
+    if number.is_empty() || number.starts_with('.') || number.ends_with('.') {
+        return None;
     }
+    if let Ok(n) = number.parse::<u64>() {
+        return n.checked_mul(1u64 << shift);
+    }
+    // A fraction: exact in f64 for every size below 2^53 bytes.
     let value: f64 = number.parse().ok()?;
-    let bytes = value * unit as f64;
-    (value.is_finite() && value >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
+    let bytes = value * (1u64 << shift) as f64;
+    (bytes.is_finite() && bytes.fract() == 0.0 && bytes < 9.0e15).then_some(bytes as u64)
+}
+
+/// A size for people, in binary units with one decimal: `8.0 GiB`,
+/// `512.0 MiB`, `4.0 KiB`; below 1 KiB `100 bytes`. Log lines and messages
+/// print sizes this way (the CLI too, through the binding).
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} bytes");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
 }
 
 /// A duration from seconds: finite and not negative.
@@ -137,6 +190,26 @@ pub struct FieldSpec {
     pub optional: bool,
     /// What it sets, and its default.
     pub doc: &'static str,
+}
+
+impl FieldSpec {
+    /// An accepted value of this setting, for error messages.
+    pub fn example(&self) -> &'static str {
+        match self.name {
+            "socket" => "/run/lmcache-rc/sidecar.sock",
+            "l2_path" => "/var/lib/lmcache-rc/l2",
+            "l2_bytes" => "2TiB",
+            "http_port" => "9090",
+            "http_max_connections" => "64",
+            "max_entries" => "65536",
+            "max_pending" => "128",
+            "max_leases" => "1024",
+            "l2_io_threads" => "2",
+            "max_pending_bytes" => "256MiB",
+            "rpc_max_buffered_bytes" => "1GiB",
+            _ => self.kind.example(),
+        }
+    }
 }
 
 /// A Rust type that holds one setting.
@@ -380,10 +453,8 @@ impl SidecarConfig {
                 let raw = raw
                     .into_string()
                     .map_err(|_| Error::invalid(format!("{var} is not valid UTF-8")))?;
-                let value = field
-                    .kind
-                    .parse(&raw, field.optional)
-                    .map_err(|e| Error::invalid(format!("{var}: {e}")))?;
+                let value =
+                    parse_field(field, &raw).map_err(|e| Error::invalid(format!("{var}: {e}")))?;
                 values.push((field.name.to_string(), value));
             }
         }
@@ -391,29 +462,13 @@ impl SidecarConfig {
         Self::from_values(values)
     }
 
-    /// Refuses settings no server could start with.
+    /// Refuses settings no server could start with; the error names the
+    /// setting (`max_entries: must be at least 1, got 0 (e.g. 65536)`).
     fn validate(&self) -> Result<()> {
-        if self.rpc_frame_timeout.is_zero() {
-            return Err(Error::invalid("rpc_frame_timeout must be positive"));
-        }
-        if self.rpc_max_buffered_bytes < rpc::wire::DEFAULT_MAX_FRAME as u64 {
-            return Err(Error::invalid(format!(
-                "rpc_max_buffered_bytes must be at least the {}-byte frame limit, got {}",
-                rpc::wire::DEFAULT_MAX_FRAME,
-                self.rpc_max_buffered_bytes
-            )));
-        }
-        if self.l1_bytes == 0 || self.l1_bytes % 4096 != 0 {
-            return Err(Error::invalid(format!(
-                "l1_bytes must be a positive multiple of 4096, got {}",
-                self.l1_bytes
-            )));
-        }
-        if self.http_max_connections == 0 {
-            return Err(Error::invalid("http_max_connections must be at least 1"));
-        }
-        if self.http_idle_timeout.is_zero() {
-            return Err(Error::invalid("http_idle_timeout must be positive"));
+        for field in Self::FIELDS {
+            let value = self.get(field.name)?;
+            check_value(field, value.as_ref())
+                .map_err(|e| Error::invalid(format!("{}: {e}", field.name)))?;
         }
         if self.shared_upload_queue == 0 {
             return Err(Error::invalid("shared_upload_queue must be at least 1"));
@@ -523,6 +578,66 @@ impl SidecarConfig {
     }
 }
 
+/// Parses the text of setting `field` (a flag or an environment variable)
+/// and checks its range: [`FieldKind::parse`] then [`check_value`]. The
+/// error does not name the setting; the caller prefixes the flag or variable.
+pub fn parse_field(field: &FieldSpec, text: &str) -> Result<Option<FieldValue>> {
+    let value = field.kind.parse_as(text, field.optional, field.example())?;
+    check_value(field, value.as_ref())?;
+    Ok(value)
+}
+
+/// The range of each setting: what no server could start with. The error
+/// says what is allowed and shows an accepted value, without the setting's
+/// name (each front end names its flag, variable or keyword).
+pub fn check_value(field: &FieldSpec, value: Option<&FieldValue>) -> Result<()> {
+    let example = field.example();
+    let bad = |rule: &str, got: String| {
+        Err(Error::invalid(format!(
+            "{rule}, got {got} (e.g. {example})"
+        )))
+    };
+    match (field.name, value) {
+        ("l1_bytes", Some(FieldValue::Unsigned(n))) if *n == 0 || n % 4096 != 0 => {
+            bad("must be a positive multiple of 4096 bytes", n.to_string())
+        }
+        ("l2_bytes", Some(FieldValue::Unsigned(0))) => {
+            bad("must be positive (or none: unlimited)", "0".into())
+        }
+        (
+            "max_entries"
+            | "max_pending"
+            | "max_leases"
+            | "l2_io_threads"
+            | "max_connections"
+            | "http_max_connections",
+            Some(FieldValue::Unsigned(0)),
+        ) => bad("must be at least 1", "0".into()),
+        ("http_idle_timeout" | "rpc_frame_timeout", Some(FieldValue::Seconds(d)))
+            if d.is_zero() =>
+        {
+            bad("must be a positive number of seconds", "0".into())
+        }
+        ("max_pending_bytes", Some(FieldValue::Unsigned(0))) => bad("must be positive", "0".into()),
+        ("rpc_max_buffered_bytes", Some(FieldValue::Unsigned(n)))
+            if *n < rpc::wire::DEFAULT_MAX_FRAME as u64 =>
+        {
+            bad(
+                &format!(
+                    "must be at least the {} frame limit",
+                    human_size(rpc::wire::DEFAULT_MAX_FRAME as u64)
+                ),
+                human_size(*n),
+            )
+        }
+        ("http_port", Some(FieldValue::Signed(p))) if !(-1..=65535).contains(p) => bad(
+            "must be a port in 0..=65535 (0: a free port) or -1 (off)",
+            p.to_string(),
+        ),
+        _ => Ok(()),
+    }
+}
+
 fn usize_of(name: &str, value: u64) -> Result<usize> {
     usize::try_from(value).map_err(|_| Error::invalid(format!("{name} is too large: {value}")))
 }
@@ -588,6 +703,39 @@ mod tests {
             p(FieldKind::Seconds, "1.5", true).unwrap(),
             Some(FieldValue::Seconds(Duration::from_millis(1500)))
         );
+        for (text, bytes) in [
+            ("8G", 8u64 << 30),
+            ("512MiB", 512 << 20),
+            ("1.5GB", 3 << 29),
+            ("2 tib", 2 << 40),
+            ("4k", 4096),
+            ("100b", 100),
+        ] {
+            assert_eq!(parse_size(text), Some(bytes), "{text}");
+        }
+        for text in [
+            "banana",
+            "",
+            "G",
+            "1.5",
+            "0.1K",
+            "-1G",
+            "1e3",
+            "1.G",
+            "8GX",
+            "99999999T",
+        ] {
+            assert_eq!(parse_size(text), None, "{text}");
+        }
+        assert_eq!(human_size(8 << 30), "8.0 GiB");
+        assert_eq!(human_size(1536), "1.5 KiB");
+        assert_eq!(human_size(1023), "1023 bytes");
+        assert_eq!(human_size(3 << 41), "6.0 TiB");
+        assert_eq!(human_size(3 << 51), "6144.0 TiB");
+        let e = p(FieldKind::Bytes, "banana", false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"banana\"") && e.contains("e.g. 8GiB"), "{e}");
         assert!(p(FieldKind::Count, "-1", false).is_err());
         assert!(p(FieldKind::Seconds, "nan", false).is_err());
         assert_eq!(

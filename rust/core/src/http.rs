@@ -1,5 +1,6 @@
 //! The HTTP admin API of the sidecar: `GET /status` (JSON), `GET /metrics`
-//! (Prometheus text exposition) and
+//! (the status as Prometheus series, [`crate::metrics`]: OpenMetrics text
+//! to clients that accept it, else the Prometheus text format) and
 //! `POST /clear?force=true|false&all_tiers=true|false` (409 while a forced
 //! clear is refused because leases are live; `force` omitted = forced, see
 //! [`crate::protocol::CLEAR_FORCE_DEFAULT`]).
@@ -47,7 +48,7 @@ use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -55,19 +56,18 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
-use hyper::header::{AUTHORIZATION, CONNECTION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
+use hyper::header::{
+    ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE,
+};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use parking_lot::Mutex;
-use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 
 use crate::error::{Error, Result};
+use crate::metrics;
 use crate::protocol::{Checkpoints, ServiceStatus, clear_force};
 
 /// Most bytes of a request head (request line and headers) read before the
@@ -207,7 +207,6 @@ pub struct Reply {
 }
 
 const JSON: &str = "application/json";
-const PROMETHEUS: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 impl Reply {
     fn json(code: u16, body: String) -> Reply {
@@ -251,8 +250,22 @@ impl Routes {
     }
 
     /// Answers one request. `url` is the path and query; `authorization`
-    /// the `Authorization` header's value, if any.
+    /// the `Authorization` header's value, if any. `/metrics` answers in the
+    /// Prometheus text format (see [`Routes::answer_accepting`]).
     pub fn answer(&self, method: &str, url: &str, authorization: Option<&[u8]>) -> Reply {
+        self.answer_accepting(method, url, authorization, None)
+    }
+
+    /// Answers one request whose `Accept` header is `accept`: `/metrics`
+    /// answers OpenMetrics to a client that accepts it, else the Prometheus
+    /// text format ([`metrics::Format::negotiate`]).
+    pub fn answer_accepting(
+        &self,
+        method: &str,
+        url: &str,
+        authorization: Option<&[u8]>,
+        accept: Option<&[u8]>,
+    ) -> Reply {
         let (path, query) = url.split_once('?').unwrap_or((url, ""));
         let service = &*self.service;
         match (method, path) {
@@ -260,14 +273,20 @@ impl Routes {
                 Ok(status) => Reply::json(200, status_json(&status)),
                 Err(e) => Reply::error(500, &e),
             },
-            ("GET", "/metrics") => match service.status().and_then(|s| metrics_text(&s)) {
-                Ok(text) => Reply {
-                    code: 200,
-                    content_type: PROMETHEUS,
-                    body: text,
-                },
-                Err(e) => Reply::error(500, &e),
-            },
+            ("GET", "/metrics") => {
+                let format = metrics::Format::negotiate(accept);
+                match service
+                    .status()
+                    .and_then(|s| metrics::exposition(&s, format))
+                {
+                    Ok(text) => Reply {
+                        code: 200,
+                        content_type: format.content_type(),
+                        body: text,
+                    },
+                    Err(e) => Reply::error(500, &e),
+                }
+            }
             ("POST", "/clear") => {
                 if !self.token.authorizes(authorization) {
                     return self.unauthorized(authorization.is_some());
@@ -784,17 +803,16 @@ async fn handle(
         || request.uri().path().to_owned(),
         |pq| pq.as_str().to_owned(),
     );
-    let authorization = request
-        .headers()
-        .get(AUTHORIZATION)
-        .map(|v| v.as_bytes().to_vec());
+    let header = |name| request.headers().get(name).map(|v| v.as_bytes().to_vec());
+    let (authorization, accept) = (header(AUTHORIZATION), header(ACCEPT));
     // The body (at most MAX_BODY_BYTES, never read) goes with the request.
     drop(request);
     let _busy = BusyGuard::new(slot);
     let routes = routes.clone();
-    let answered =
-        tokio::task::spawn_blocking(move || routes.answer(&method, &url, authorization.as_deref()))
-            .await;
+    let answered = tokio::task::spawn_blocking(move || {
+        routes.answer_accepting(&method, &url, authorization.as_deref(), accept.as_deref())
+    })
+    .await;
     let reply = match answered {
         Ok(reply) => reply,
         Err(e) => {
@@ -924,11 +942,15 @@ fn clear_flags(query: &str) -> Result<(bool, bool)> {
     Ok((clear_force(force), all_tiers))
 }
 
-/// The status as one JSON object (integers and a `misses` map).
+/// The status as one JSON object: integers, the facts (strings or null)
+/// and a `misses` map; the keys of the RPC status as Python sees it.
 pub fn status_json(status: &ServiceStatus) -> String {
     let mut map = serde_json::Map::new();
     for (k, v) in &status.values {
         map.insert(k.clone(), serde_json::Value::from(*v));
+    }
+    for (k, v) in &status.info {
+        map.insert(k.clone(), serde_json::Value::from(v.clone()));
     }
     let misses: serde_json::Map<String, serde_json::Value> = status
         .misses
@@ -942,32 +964,6 @@ pub fn status_json(status: &ServiceStatus) -> String {
 /// `{"error": kind, "message": message}`.
 fn error_json(kind: &str, message: &str) -> String {
     serde_json::json!({"error": kind, "message": message}).to_string()
-}
-
-/// Prometheus text exposition of the status: one gauge per value
-/// (`lmcache_rc_<name>`) and `lmcache_rc_misses{reason="..."}`.
-pub fn metrics_text(status: &ServiceStatus) -> Result<String> {
-    let mut registry = Registry::with_prefix("lmcache_rc");
-    for (name, value) in &status.values {
-        let gauge: Gauge<i64, AtomicI64> = Gauge::default();
-        gauge.set(i64::try_from(*value).unwrap_or(i64::MAX));
-        registry.register(
-            name,
-            format!("lmcache-rc {}", name.replace('_', " ")),
-            gauge,
-        );
-    }
-    let misses = Family::<Vec<(String, String)>, Gauge<i64, AtomicI64>>::default();
-    for (reason, count) in &status.misses {
-        misses
-            .get_or_create(&vec![("reason".to_string(), reason.clone())])
-            .set(i64::try_from(*count).unwrap_or(i64::MAX));
-    }
-    registry.register("misses", "lmcache-rc misses by reason", misses);
-    let mut out = String::new();
-    encode(&mut out, &registry)
-        .map_err(|_| Error::invalid("encoding the metrics exposition failed"))?;
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ pub mod index;
 pub mod json;
 pub mod limits;
 pub mod manifest;
+pub mod metrics;
 pub mod peer;
 pub mod private;
 pub mod protocol;

@@ -8,7 +8,9 @@
 
 use std::path::PathBuf;
 
-use lmcache_rc_core::config::{FieldKind, FieldSpec, FieldValue, SidecarConfig, seconds};
+use lmcache_rc_core::config::{
+    FieldKind, FieldSpec, FieldValue, SidecarConfig, parse_field, parse_size, seconds,
+};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple, PyType};
@@ -70,7 +72,28 @@ fn value_of(field: &FieldSpec, value: &Bound<'_, PyAny>) -> PyResult<Option<Fiel
             }
             FieldValue::Text(value.extract()?)
         }
-        FieldKind::Bytes | FieldKind::Count => {
+        FieldKind::Bytes if value.is_instance_of::<PyString>() => {
+            // A size as text, as flags and variables take it ("8G", "512MiB").
+            let text: String = value.extract()?;
+            FieldValue::Unsigned(parse_size(&text).ok_or_else(|| {
+                invalid(format!(
+                    "{name}: expected {}, got {text:?} (e.g. 8GiB)",
+                    lmcache_rc_core::config::SIZE_GRAMMAR
+                ))
+            })?)
+        }
+        FieldKind::Bytes => {
+            if !is_int {
+                return Err(wrong("an int or a size string such as '8GiB'"));
+            }
+            let n: i128 = value.extract()?;
+            FieldValue::Unsigned(u64::try_from(n).map_err(|_| {
+                invalid(format!(
+                    "{name} must be a non-negative 64-bit integer, got {n}"
+                ))
+            })?)
+        }
+        FieldKind::Count => {
             if !is_int {
                 return Err(wrong("an int"));
             }
@@ -161,11 +184,13 @@ impl PyServerConfig {
     }
 
     /// Parses the text of a flag or environment variable for setting `name`
-    /// ("4G" for bytes; "none" for an optional setting).
+    /// ("8GiB" for bytes; "none" for an optional setting) and checks its
+    /// range. The error (`InvalidInput`) does not name the setting: the
+    /// caller names its flag or variable.
     #[staticmethod]
     fn parse(py: Python<'_>, name: &str, text: &str) -> PyResult<Py<PyAny>> {
         let field = spec(name)?;
-        to_python(py, field.kind.parse(text, field.optional).py()?)
+        to_python(py, parse_field(field, text).py()?)
     }
 
     fn __getattr__(&self, py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
@@ -233,6 +258,13 @@ impl PyServerConfig {
 #[pyfunction]
 pub fn default_socket_path() -> std::ffi::OsString {
     lmcache_rc_core::rpc::default_socket_path().into_os_string()
+}
+
+/// A size for people in binary units (`8.0 GiB`, `100 bytes`): how the core's
+/// messages and the CLI print sizes.
+#[pyfunction]
+pub fn human_size(bytes: u64) -> String {
+    lmcache_rc_core::config::human_size(bytes)
 }
 
 /// The default L1 pool size (a quarter of the available memory, ≤ 1 GiB).

@@ -77,6 +77,9 @@ impl ToPython for ServiceStatus {
             misses.set_item(k, v)?;
         }
         d.set_item("misses", misses)?;
+        for (k, v) in self.info {
+            d.set_item(k, v)?;
+        }
         Ok(d.into_any().unbind())
     }
 }

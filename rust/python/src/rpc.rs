@@ -343,7 +343,8 @@ impl PyServer {
         // to write, or (HTTP off) to remove when a killed server left one.
         let http = match config.http_config(server.socket_path()).py()? {
             Some(http_config) => {
-                let service = server.service().clone();
+                // `/status` answers the server's status (RPC counters, socket).
+                let service = server.admin_view();
                 Some(
                     py.detach(|| lmcache_rc_core::http::HttpAdmin::start(http_config, service))
                         .py()?,

@@ -197,6 +197,32 @@ pub(super) fn value_bytes(value: ValueRef<'_>) -> Option<&[u8]> {
 }
 
 /// Refuses an existing non-SQLite file without touching it.
+/// Creates the missing directories above the database file, private (0700),
+/// so a default location such as `~/.cache/lmcache-rc/checkpoints.sqlite`
+/// works on a fresh machine. Existing directories are left as they are.
+fn create_parent(path: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let Some(parent) = path.parent().filter(|d| !d.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    if parent.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(parent)
+        .map_err(|e| {
+            Error::io(
+                format!(
+                    "create the checkpoint directory's folder {}",
+                    parent.display()
+                ),
+                e,
+            )
+        })
+}
+
 fn check_header(path: &Path) -> Result<()> {
     use std::io::Read as _;
     let mut file = match std::fs::File::open(path) {
@@ -372,6 +398,7 @@ pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
     let name = describe(path);
     let conn = match path {
         Some(p) => {
+            create_parent(p)?;
             check_header(p)?;
             private_files(p, false)?;
             Connection::open(p).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?

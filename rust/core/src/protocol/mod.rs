@@ -44,8 +44,9 @@ pub use types::{
 
 /// Slot/layout format version announced in capabilities.
 pub const FORMAT_VERSION: u32 = 1;
-/// RPC protocol version announced in capabilities and spoken on the wire.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// RPC protocol version announced in capabilities and spoken on the wire
+/// (3: the status carries the server's facts, [`ServiceStatus::info`]).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// What `clear` does when its caller omits `force`: forced, as in the
 /// reference implementation (a forced clear is still refused with

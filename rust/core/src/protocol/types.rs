@@ -173,6 +173,10 @@ pub struct ServiceStatus {
     pub values: BTreeMap<String, u64>,
     /// Misses by reason name ([`MissReason::as_str`]).
     pub misses: BTreeMap<String, u64>,
+    /// Facts about the server as text, None where absent: `version` (of
+    /// the server's build), `socket` (None in process),
+    /// `checkpoint_index_path` (None: in memory), `l2_path` (None: no L2).
+    pub info: BTreeMap<String, Option<String>>,
 }
 
 /// What a clear removed.

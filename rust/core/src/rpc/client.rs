@@ -252,8 +252,17 @@ impl Client {
         Self::connect_with(socket, ClientConfig::default())
     }
 
-    /// [`Client::connect`] with settings.
+    /// [`Client::connect`] with settings. A path longer than a Unix socket
+    /// can have is [`Error::InvalidInput`] (no server could listen there).
     pub fn connect_with(socket: impl AsRef<Path>, config: ClientConfig) -> Result<Client> {
+        let len = socket.as_ref().as_os_str().len();
+        if len > super::server::MAX_SOCKET_PATH_BYTES {
+            return Err(Error::invalid(format!(
+                "socket path {} is {len} bytes long; a Unix socket path holds at most {} bytes",
+                socket.as_ref().display(),
+                super::server::MAX_SOCKET_PATH_BYTES
+            )));
+        }
         let client = Client {
             path: socket.as_ref().to_path_buf(),
             config,

@@ -125,6 +125,25 @@ pub struct ShutdownReport {
     pub close_error: Option<String>,
 }
 
+impl std::fmt::Display for ShutdownReport {
+    /// For people and logs: `every lease finished, service closed cleanly`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.drained {
+            f.write_str("every lease finished")?;
+        } else {
+            write!(
+                f,
+                "{} lease(s) still live after the drain timeout",
+                self.live_leases
+            )?;
+        }
+        match &self.close_error {
+            None => f.write_str(", service closed cleanly"),
+            Some(e) => write!(f, ", closing the service failed: {e}"),
+        }
+    }
+}
+
 /// The socket a sidecar listens on when none is configured:
 /// `$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock` when that directory exists,
 /// else `/tmp/lmcache-rc-<uid>/sidecar.sock`.
@@ -284,10 +303,7 @@ impl Server {
                 remove_socket(&shared.config.socket, shared.socket_id);
                 Error::io("spawn the RPC accept thread", e)
             })?;
-        log::info!(
-            "lmcache-rc RPC server listening on {}",
-            shared.config.socket.display()
-        );
+        log::info!("RPC server listening on {}", shared.config.socket.display());
         Ok(Server {
             shared,
             accept: Mutex::new(Some(accept)),
@@ -307,9 +323,18 @@ impl Server {
 
     /// The service's status plus the RPC layer's counters
     /// (`rpc_connections`, `rpc_requests`, `rpc_protocol_errors`,
-    /// `rpc_connections_total`).
+    /// `rpc_connections_total`) and its socket (`info["socket"]`).
     pub fn status(&self) -> Result<ServiceStatus> {
         status_of(&self.shared)
+    }
+
+    /// The server as the HTTP admin API serves it: every operation is the
+    /// service's, but `status` is the server's (RPC counters and socket
+    /// included), so `GET /status` answers what the RPC `status` does.
+    pub fn admin_view(&self) -> Arc<dyn Checkpoints> {
+        Arc::new(AdminView {
+            shared: self.shared.clone(),
+        })
     }
 
     /// Whether [`Server::shutdown`] ran.
@@ -387,7 +412,7 @@ impl Server {
             close_error,
         };
         log::info!(
-            "lmcache-rc RPC server on {} stopped: {report:?}",
+            "RPC server on {} stopped: {report}",
             shared.config.socket.display()
         );
         *report_slot = Some(report.clone());
@@ -439,6 +464,10 @@ fn status_of(shared: &Shared) -> Result<ServiceStatus> {
     ];
     s.values
         .extend(rpc.into_iter().map(|(k, v)| (k.to_string(), v)));
+    s.info.insert(
+        "socket".into(),
+        Some(shared.config.socket.display().to_string()),
+    );
     Ok(s)
 }
 
@@ -556,6 +585,36 @@ fn take_instance_lock(socket: &Path) -> Result<InstanceLock> {
     ))
 }
 
+/// The longest path a Unix socket can be bound or reached at: `sun_path`
+/// holds 108 bytes on Linux, the last one the terminating NUL.
+pub const MAX_SOCKET_PATH_BYTES: usize = 107;
+
+/// Refuses a socket path the kernel cannot bind, naming the path, its
+/// length and the limit (before anything is created). The server binds a
+/// temporary name in the same directory first (`tmp`), so the limit is
+/// lower when the file name is shorter than that one.
+fn check_socket_path_len(path: &Path, tmp: &Path) -> Result<()> {
+    let len = path.as_os_str().len();
+    let extra = tmp.as_os_str().len().saturating_sub(len);
+    let limit = MAX_SOCKET_PATH_BYTES - extra.min(MAX_SOCKET_PATH_BYTES);
+    if len <= limit {
+        return Ok(());
+    }
+    let why = if extra > 0 {
+        format!(
+            "the limit is {limit} bytes here ({MAX_SOCKET_PATH_BYTES} bytes for a Unix \
+             socket path, less {extra} because the server first binds a longer temporary \
+             name beside it)"
+        )
+    } else {
+        format!("a Unix socket path holds at most {MAX_SOCKET_PATH_BYTES} bytes")
+    };
+    Err(Error::invalid(format!(
+        "socket path {} is {len} bytes long; {why}: choose a shorter path",
+        path.display()
+    )))
+}
+
 /// Creates the directory (0700) if needed and checks an existing one;
 /// takes the socket's instance lock (a live server holds it: refused);
 /// replaces a stale socket file; binds under a temporary name, sets mode
@@ -569,6 +628,13 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64), InstanceLock)> 
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let tmp = dir.join(format!(
+        ".lmrc{}.{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    check_socket_path_len(path, &tmp)?;
     if !dir.exists() {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -628,12 +694,6 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64), InstanceLock)> 
         }
         Err(_) => {}
     }
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let tmp = dir.join(format!(
-        ".lmrc-{}-{}.tmp",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
     let _ = std::fs::remove_file(&tmp);
     let listener =
         UnixListener::bind(&tmp).map_err(|e| Error::io(format!("bind {}", tmp.display()), e))?;
@@ -855,8 +915,10 @@ fn serve_connection(shared: Arc<Shared>, id: u64, stream: UnixStream) {
         Some(p) if !shared.stopping.load(Ordering::SeqCst) => {
             let reclaimed = shared.service.peer_disconnected(p, EXIT_GRACE);
             log::debug!(
-                "RPC connection {id} of {} closed; leases reclaimed: {reclaimed:?}",
-                p.key()
+                "RPC connection {id} of {} closed; leases reclaimed: {} store, {} retrieve",
+                p.key(),
+                reclaimed.store_leases,
+                reclaimed.retrieve_leases
             );
         }
         _ => log::debug!("RPC connection {id} closed"),
@@ -1042,6 +1104,62 @@ fn run(shared: &Shared, holder: &Holder, request: Request) -> Reply {
                 format!("the server failed while handling {name}: {what}"),
             )
         }
+    }
+}
+
+/// [`Server::admin_view`]: the service's operations, the server's status.
+struct AdminView {
+    shared: Arc<Shared>,
+}
+
+impl AdminView {
+    fn svc(&self) -> &dyn Checkpoints {
+        &*self.shared.service
+    }
+}
+
+impl Checkpoints for AdminView {
+    fn capabilities(&self) -> Result<Capabilities> {
+        self.svc().capabilities()
+    }
+    fn find(&self, roots: &[Prefix]) -> Result<Option<Manifest>> {
+        self.svc().find(roots)
+    }
+    fn begin(&self, manifest: &Manifest) -> Result<bool> {
+        self.svc().begin(manifest)
+    }
+    fn abort(&self, generation: &str) -> Result<()> {
+        self.svc().abort(generation)
+    }
+    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
+        self.svc().prepare_store(manifest, rank)
+    }
+    fn finish_store(&self, lease_id: &str, success: bool, rank: Option<u32>) -> Result<bool> {
+        self.svc().finish_store(lease_id, success, rank)
+    }
+    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
+        self.svc().begin_retrieve(manifest, rank)
+    }
+    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<Lease> {
+        self.svc().poll_retrieve(lease_id, rank)
+    }
+    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
+        self.svc().finish_retrieve(lease_id, rank)
+    }
+    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
+        self.svc().cancel_retrieve(lease_id, rank)
+    }
+    fn status(&self) -> Result<ServiceStatus> {
+        status_of(&self.shared)
+    }
+    fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
+        self.svc().clear(force, all_tiers)
+    }
+    fn invalidate_namespace(&self, namespace: &str) -> Result<u64> {
+        self.svc().invalidate_namespace(namespace)
+    }
+    fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
+        self.svc().list_generations()
     }
 }
 

@@ -27,10 +27,11 @@ use crate::protocol::{
 pub const MAGIC: [u8; 4] = *b"LMRC";
 /// The protocol version this build speaks (also announced in capabilities).
 pub const PROTOCOL_VERSION: u32 = crate::protocol::PROTOCOL_VERSION;
-/// The oldest protocol version this build speaks. Version 2 hands the pool
-/// over as a descriptor with the welcome; version 1 (a pool opened by name)
-/// is no longer spoken.
-pub const MIN_PROTOCOL_VERSION: u32 = 2;
+/// The oldest protocol version this build speaks. Version 2 handed the pool
+/// over as a descriptor with the welcome; version 3 adds the server's facts
+/// (`info`) to the status reply, which a version-2 peer cannot decode, so
+/// versions 1 (a pool opened by name) and 2 are no longer spoken.
+pub const MIN_PROTOCOL_VERSION: u32 = 3;
 /// Default limit of one frame's payload (requests and replies): 64 MiB.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Bytes of the length prefix.
@@ -386,6 +387,8 @@ pub struct WireStatus {
     pub values: Vec<(String, u64)>,
     /// Misses by reason.
     pub misses: Vec<(String, u64)>,
+    /// The server's facts (protocol version 3).
+    pub info: Vec<(String, Option<String>)>,
 }
 
 impl From<ServiceStatus> for WireStatus {
@@ -393,6 +396,7 @@ impl From<ServiceStatus> for WireStatus {
         WireStatus {
             values: s.values.into_iter().collect(),
             misses: s.misses.into_iter().collect(),
+            info: s.info.into_iter().collect(),
         }
     }
 }
@@ -402,6 +406,7 @@ impl From<WireStatus> for ServiceStatus {
         ServiceStatus {
             values: s.values.into_iter().collect(),
             misses: s.misses.into_iter().collect(),
+            info: s.info.into_iter().collect(),
         }
     }
 }

@@ -26,18 +26,20 @@ pub(super) fn capabilities(inner: &Inner) -> Capabilities {
     }
 }
 
-/// Counters and gauges (the keys `lmcache_rc.results.ServiceStatus` names): every counter (zeros included)
-/// and the misses that happened, by reason.
+/// Counters and gauges (the keys `lmcache_rc.results.ServiceStatus` names): every counter (zeros included),
+/// the uptime, the misses that happened, by reason, and the service's facts
+/// (version, paths; `socket` is the RPC server's to fill in).
 pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
     let dir = inner.dir.status()?;
     let io_queue = inner.io.lock().as_ref().map_or(0, |io| io.queued() as u64);
-    let (l2_objects, l2_bytes, written) = match &inner.l2 {
+    let (l2_objects, l2_bytes, l2_capacity, written) = match &inner.l2 {
         Some(l2) => (
             l2.object_count() as u64,
             l2.used_bytes(),
+            l2.capacity().unwrap_or(0),
             l2.bytes_written(),
         ),
-        None => (0, 0, 0),
+        None => (0, 0, 0, 0),
     };
     let st = inner.lock();
     let queued = st.objects.values().filter(|o| o.l2 == L2::Queued).count() as u64;
@@ -54,6 +56,8 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         ("objects", st.objects.len() as u64),
         ("l2_objects", l2_objects),
         ("l2_bytes", l2_bytes),
+        // 0: no L2 tier, or one without a byte limit.
+        ("l2_capacity", l2_capacity),
         ("l2_bytes_written", written),
         ("l2_queue", queued.max(io_queue)),
         ("l2_write_retrying", inner.upkeep.retries_waiting() as u64),
@@ -62,6 +66,7 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
             "stores_refused",
             u64::from(inner.dir.read_only().is_some() || inner.upkeep.disk_full().is_some()),
         ),
+        ("uptime_seconds", inner.opened.elapsed().as_secs()),
     ];
     let mut values: BTreeMap<String, u64> = gauges
         .into_iter()
@@ -77,7 +82,24 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
         .misses()
         .map(|(reason, n)| (reason.as_str().to_string(), n))
         .collect();
-    Ok(ServiceStatus { values, misses })
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let info = [
+        ("version", Some(env!("CARGO_PKG_VERSION").to_string())),
+        ("socket", None),
+        (
+            "checkpoint_index_path",
+            path(&inner.config.checkpoint_index_path),
+        ),
+        ("l2_path", path(&inner.config.l2_path)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    Ok(ServiceStatus {
+        values,
+        misses,
+        info,
+    })
 }
 
 /// Drops L1 copies (and with `all_tiers` L2 files too). `force = false`

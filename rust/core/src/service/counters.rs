@@ -45,6 +45,11 @@ named_enum! {
         Published = "published",
         /// Retrieves whose slots were exposed (restores served).
         Hits = "hits",
+        /// Pages exposed to retrieve copies (every rank's pages of the restores served).
+        RestoredPages = "restored_pages",
+        /// Tokens covered by the restores served, counted once per restore
+        /// (when rank 0's slots are exposed).
+        RestoredTokens = "restored_tokens",
         /// Listed generations dropped for space (directory capacity, or their only copy evicted).
         Evictions = "evictions",
         /// L1 copies evicted.

@@ -91,6 +91,8 @@ struct Inner {
     /// The shared tier across hosts, when configured (`shared`).
     #[cfg(feature = "shared-tier")]
     shared: Option<shared::SharedSide>,
+    /// When the service opened (its status reports the uptime).
+    opened: std::time::Instant,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.

@@ -105,6 +105,7 @@ impl CheckpointService {
             deferred_retire: parking_lot::Mutex::new(Vec::new()),
             #[cfg(feature = "shared-tier")]
             shared,
+            opened: std::time::Instant::now(),
         });
         reconcile(&inner, inventory)?;
         Upkeep::start(&inner)?;

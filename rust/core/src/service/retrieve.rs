@@ -63,6 +63,7 @@ pub(super) fn begin_retrieve(
         lease_no,
         RetrieveLease {
             generation: manifest.generation().to_string(),
+            tokens: manifest.prefix().num_tokens(),
             keys,
             group_sizes: groups.iter().map(Vec::len).collect(),
             held: vec![false; n],
@@ -138,11 +139,19 @@ pub(super) fn poll_retrieve(
         slots.push(group);
     }
     let first_exposure = !lease.exposed;
+    let (pages, tokens) = (
+        lease.keys.len() as u64,
+        (lease.rank == 0).then_some(lease.tokens),
+    );
     if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
         lease.exposed = true;
     }
     if first_exposure {
         st.count(Counter::Hits, 1);
+        st.count(Counter::RestoredPages, pages);
+        if let Some(tokens) = tokens {
+            st.count(Counter::RestoredTokens, tokens);
+        }
     }
     Ok(Lease::ready(
         lease_id.to_string(),

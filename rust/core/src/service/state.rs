@@ -211,6 +211,8 @@ pub struct StoreLease {
 pub struct RetrieveLease {
     /// Generation being restored.
     pub generation: String,
+    /// Tokens the generation covers (counted as restored on rank 0's exposure).
+    pub tokens: u64,
     /// Keys in group order, then position order.
     pub keys: Vec<ObjectKey>,
     /// Pages per group.

@@ -189,7 +189,7 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     if let Some(l2) = &inner.l2 {
         for key in &deletes {
             if let Err(e) = l2.remove(key) {
-                log::warn!("deleting L2 object {key:?} failed: {e}");
+                log::warn!("deleting L2 object {key} failed: {e}");
             }
         }
     }
@@ -303,7 +303,7 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
                     e,
                     Error::NotFound(_) | Error::Corrupt(_) | Error::UnsupportedFormat(_)
                 );
-                log::warn!("L2 read of {key:?} failed: {e}");
+                log::warn!("L2 read of object {key} failed: {e}");
                 st.drop_l1(&key);
                 let reason = if proof {
                     MissReason::LostObject
@@ -363,7 +363,7 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64, attem
         let failure = match result {
             Ok(_) => {
                 if attempt > 0 {
-                    log::info!("L2 write of {key:?} succeeded after {attempt} retries");
+                    log::info!("L2 write of object {key} succeeded after {attempt} retries");
                 }
                 inner.upkeep.clear_disk_full();
                 let mut st = inner.lock();
@@ -396,7 +396,7 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64, attem
             };
             if inner.upkeep.schedule(next) {
                 log::warn!(
-                    "L2 write of {key:?} failed (attempt {}): {failure}; retrying while its \
+                    "L2 write of object {key} failed (attempt {}): {failure}; retrying while its \
                      L1 copy stays pinned",
                     attempt + 1
                 );
@@ -406,7 +406,7 @@ fn submit_write(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64, attem
         }
         if wanted {
             log::error!(
-                "L2 write of {key:?} failed and is not retried: {failure}; its generations \
+                "L2 write of object {key} failed and is not retried: {failure}; its generations \
                  stay in L1 only (not durable)"
             );
         }

@@ -27,6 +27,13 @@ impl ObjectKey {
     }
 }
 
+/// The 64 hex characters (the L2 file's name), for log lines and messages.
+impl fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
 impl fmt::Debug for ObjectKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "ObjectKey({})", &self.hex()[..16])

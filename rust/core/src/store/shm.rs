@@ -36,6 +36,7 @@ use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
 
+use crate::config::human_size;
 use crate::error::{Error, Result};
 
 /// Granularity of pool sizes.
@@ -76,12 +77,13 @@ pub fn new_pool_id() -> String {
 
 fn out_of_space(size: u64, available: Option<u64>) -> Error {
     let available = match available {
-        Some(bytes) => format!("only {bytes} bytes are available"),
+        Some(bytes) => format!("only {} are available", human_size(bytes)),
         None => "the host or this process's memory limit (cgroup) does not allow it".to_owned(),
     };
     Error::OutOfSpace(format!(
-        "cannot reserve {size} bytes of shared memory for the L1 pool: {available}; lower \
-         --l1-bytes"
+        "cannot reserve {} of shared memory for the L1 pool: {available}; lower \
+         --l1-bytes",
+        human_size(size)
     ))
 }
 

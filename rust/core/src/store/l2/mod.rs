@@ -288,10 +288,10 @@ impl L2Tier {
             );
         }
         log::info!(
-            "L2 open {}: {} objects, {} bytes",
+            "L2 open {}: {} objects, {}",
             root.display(),
             inventory.objects.len(),
-            accounting.used
+            crate::config::human_size(accounting.used)
         );
         let tier = L2Tier {
             root: root.to_path_buf(),
