@@ -131,7 +131,6 @@ class ServiceStatus(TypedDict):
     shared_bytes_uploaded: int
     shared_dedup_hits: int
     shared_pages_refreshed: int
-    shared_lookups: int
     shared_lookup_hits: int
     shared_misses_none: int
     shared_misses_corrupt: int

@@ -416,6 +416,75 @@ const RPC_FRAMES_REFUSED: Family = by(
     "reason",
 );
 
+const SHARED_ENABLED: Family = gauge(
+    "shared_enabled",
+    "1 when a shared tier across hosts is configured (shared_url), else 0",
+);
+const SHARED_UPLOAD_QUEUE: Family = gauge(
+    "shared_upload_queue",
+    "Generations waiting for their upload to the shared tier, plus the one uploading",
+);
+const SHARED_UPLOADS: Family = by(
+    counter(
+        "shared_uploads",
+        "Generation uploads to the shared tier by event: queued, dropped (the queue was full), \
+         retried, given_up, skipped (retired or gone before its turn), done (the manifest is \
+         there), written (this host wrote the manifest), present (it was there already), \
+         failed (an attempt failed)",
+    ),
+    "event",
+);
+const SHARED_PAGES: Family = by(
+    counter(
+        "shared_pages",
+        "Shared-tier page objects by event: uploaded, dedup (already there), refreshed \
+         (rewritten to stay young), fetched (verified), fetch_corrupt, fetch_missing",
+    ),
+    "event",
+);
+const SHARED_TRANSFERRED: Family = by(
+    bytes(counter(
+        "shared_transferred",
+        "Bytes of shared-tier objects by direction: uploaded or fetched",
+    )),
+    "direction",
+);
+const SHARED_LOOKUPS: Family = by(
+    counter(
+        "shared_lookups",
+        "Shared-tier lookups by result: hit, none (no match), corrupt (candidates failed \
+         verification), timeout (shared_lookup_timeout), error (the store failed)",
+    ),
+    "result",
+);
+const SHARED_MANIFESTS_REJECTED: Family = counter(
+    "shared_manifests_rejected",
+    "Candidate manifests of the shared tier that failed verification",
+);
+const SHARED_IMPORTS: Family = by(
+    counter(
+        "shared_imports",
+        "Generations found in the shared tier by outcome: imported (published here) or \
+         refused (the directory refused them)",
+    ),
+    "outcome",
+);
+const SHARED_FETCHES: Family = by(
+    counter(
+        "shared_fetches",
+        "Page fetches restores started from the shared tier, by outcome: started or failed \
+         (the generation was retired here)",
+    ),
+    "outcome",
+);
+const SHARED_REQUESTS: Family = by(
+    counter(
+        "shared_requests",
+        "Requests to the shared tier's store by outcome: sent or failed",
+    ),
+    "outcome",
+);
+
 /// Every family in exposition order.
 pub const FAMILIES: &[Family] = &[
     GENERATIONS,
@@ -469,6 +538,16 @@ pub const FAMILIES: &[Family] = &[
     RPC_REQUESTS,
     RPC_PROTOCOL_ERRORS,
     RPC_FRAMES_REFUSED,
+    SHARED_ENABLED,
+    SHARED_UPLOAD_QUEUE,
+    SHARED_UPLOADS,
+    SHARED_PAGES,
+    SHARED_TRANSFERRED,
+    SHARED_LOOKUPS,
+    SHARED_MANIFESTS_REJECTED,
+    SHARED_IMPORTS,
+    SHARED_FETCHES,
+    SHARED_REQUESTS,
 ];
 
 /// A status value's place: its family and its label value (None for a
@@ -515,6 +594,10 @@ pub fn counter_series(counter: Counter) -> Placement {
         Counter::InvalidatedGenerations => (INVALIDATED, None),
         Counter::ReclaimedStoreLeases => (RECLAIMED_LEASES, Some("store")),
         Counter::ReclaimedRetrieveLeases => (RECLAIMED_LEASES, Some("retrieve")),
+        Counter::SharedImports => (SHARED_IMPORTS, Some("imported")),
+        Counter::SharedImportsRefused => (SHARED_IMPORTS, Some("refused")),
+        Counter::SharedFetches => (SHARED_FETCHES, Some("started")),
+        Counter::SharedFetchErrors => (SHARED_FETCHES, Some("failed")),
     }
 }
 
@@ -551,6 +634,33 @@ pub fn series_of(key: &str) -> Option<Placement> {
         "rpc_buffered_bytes" => (RPC_BUFFERED, None),
         "rpc_frames_timed_out" => (RPC_FRAMES_REFUSED, Some("timed_out")),
         "rpc_frames_over_budget" => (RPC_FRAMES_REFUSED, Some("over_budget")),
+        "shared_enabled" => (SHARED_ENABLED, None),
+        "shared_upload_queue" => (SHARED_UPLOAD_QUEUE, None),
+        "shared_uploads_queued" => (SHARED_UPLOADS, Some("queued")),
+        "shared_uploads_dropped" => (SHARED_UPLOADS, Some("dropped")),
+        "shared_upload_retries" => (SHARED_UPLOADS, Some("retried")),
+        "shared_uploads_given_up" => (SHARED_UPLOADS, Some("given_up")),
+        "shared_uploads_skipped" => (SHARED_UPLOADS, Some("skipped")),
+        "shared_uploads" => (SHARED_UPLOADS, Some("done")),
+        "shared_manifests_written" => (SHARED_UPLOADS, Some("written")),
+        "shared_manifests_present" => (SHARED_UPLOADS, Some("present")),
+        "shared_upload_failures" => (SHARED_UPLOADS, Some("failed")),
+        "shared_pages_uploaded" => (SHARED_PAGES, Some("uploaded")),
+        "shared_dedup_hits" => (SHARED_PAGES, Some("dedup")),
+        "shared_pages_refreshed" => (SHARED_PAGES, Some("refreshed")),
+        "shared_pages_fetched" => (SHARED_PAGES, Some("fetched")),
+        "shared_fetch_corrupt" => (SHARED_PAGES, Some("fetch_corrupt")),
+        "shared_fetch_missing" => (SHARED_PAGES, Some("fetch_missing")),
+        "shared_bytes_uploaded" => (SHARED_TRANSFERRED, Some("uploaded")),
+        "shared_bytes_fetched" => (SHARED_TRANSFERRED, Some("fetched")),
+        "shared_lookup_hits" => (SHARED_LOOKUPS, Some("hit")),
+        "shared_misses_none" => (SHARED_LOOKUPS, Some("none")),
+        "shared_misses_corrupt" => (SHARED_LOOKUPS, Some("corrupt")),
+        "shared_misses_timeout" => (SHARED_LOOKUPS, Some("timeout")),
+        "shared_misses_error" => (SHARED_LOOKUPS, Some("error")),
+        "shared_manifests_rejected" => (SHARED_MANIFESTS_REJECTED, None),
+        "shared_requests" => (SHARED_REQUESTS, Some("sent")),
+        "shared_errors" => (SHARED_REQUESTS, Some("failed")),
         _ => return None,
     })
 }

@@ -257,17 +257,23 @@ impl SharedSide {
                 c.skipped.load(Ordering::Relaxed),
             ),
         ];
-        // gc runs from the command line, never in the sidecar.
         out.extend(
             self.tier
                 .counters()
                 .snapshot()
                 .into_iter()
-                .filter(|(name, _)| !name.starts_with("gc_"))
+                .filter(|(name, _)| in_status(name))
                 .map(|(name, value)| (format!("shared_{name}"), value)),
         );
         out
     }
+}
+
+/// Whether a tier counter is a status value: gc runs from the command
+/// line, never in the sidecar, and `lookups` is the sum of the hits and the
+/// misses by reason.
+fn in_status(name: &str) -> bool {
+    !name.starts_with("gc_") && name != "lookups"
 }
 
 /// The shared tier's status values; zeros when the service has none.
@@ -290,7 +296,7 @@ pub(super) fn status_values(inner: &Inner) -> Vec<(String, u64)> {
             out.extend(
                 SharedCounter::ALL
                     .iter()
-                    .filter(|c| !c.as_str().starts_with("gc_"))
+                    .filter(|c| in_status(c.as_str()))
                     .map(|c| (format!("shared_{}", c.as_str()), 0)),
             );
             out
