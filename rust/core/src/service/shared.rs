@@ -626,13 +626,7 @@ fn import(inner: &Arc<Inner>, manifest: &Manifest) -> Result<bool> {
     for (key, _) in &keys {
         st.unpin(key);
     }
-    if let Some(old) = &publication.replaced {
-        st.unlist_generation(old);
-    }
-    for evicted in &publication.evicted {
-        st.unlist_generation(evicted);
-        st.count(Counter::Evictions, 1);
-    }
+    st.unlist_displaced(&publication);
     st.count(Counter::SharedImports, 1);
     log::info!(
         "shared tier: imported {generation} ({} tokens, {} pages)",
@@ -706,12 +700,7 @@ fn run_fetch(inner: &Arc<Inner>, fetch: Fetch) {
 fn finish_fetch(inner: &Arc<Inner>, fetch: &Fetch, result: Result<()>) {
     let key = fetch.key;
     let mut st = inner.lock();
-    st.end_io(&key);
-    let waiters = st
-        .objects
-        .get_mut(&key)
-        .map(|obj| std::mem::take(&mut obj.waiters))
-        .unwrap_or_default();
+    let waiters = st.end_load(&key);
     match result {
         Ok(()) => {
             super::tiers::hand_to_waiters(&mut st, &key, &waiters);

@@ -405,6 +405,28 @@ impl State {
         }
     }
 
+    /// Ends a load into `key`'s slot (from L2 or the shared tier) and takes
+    /// the retrieve leases waiting for it, to be handed the page or failed.
+    pub fn end_load(&mut self, key: &ObjectKey) -> Vec<u64> {
+        self.end_io(key);
+        self.objects
+            .get_mut(key)
+            .map(|obj| std::mem::take(&mut obj.waiters))
+            .unwrap_or_default()
+    }
+
+    /// Unlists what a publication displaced: the generation it replaced and
+    /// those the directory evicted for room (counted as evictions).
+    pub fn unlist_displaced(&mut self, publication: &crate::index::Publication) {
+        if let Some(old) = &publication.replaced {
+            self.unlist_generation(old);
+        }
+        for evicted in &publication.evicted {
+            self.unlist_generation(evicted);
+            self.count(Counter::Evictions, 1);
+        }
+    }
+
     /// Records an object a store lease writes into `slot`, pinned once for
     /// its pending generation (a record without bytes is rewritten).
     pub fn insert_writing(&mut self, key: ObjectKey, page_bytes: u64, slot: AllocSlot, lease: u64) {

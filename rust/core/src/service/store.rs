@@ -383,13 +383,7 @@ pub(super) fn finish_store(
                 st.unpin(key);
             }
         }
-        if let Some(old) = &publication.replaced {
-            st.unlist_generation(old);
-        }
-        for evicted in &publication.evicted {
-            st.unlist_generation(evicted);
-            st.count(Counter::Evictions, 1);
-        }
+        st.unlist_displaced(&publication);
         st.count(Counter::Published, 1);
     } else if abort_requested {
         st.release_pending(&lease.generation);

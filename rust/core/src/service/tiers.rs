@@ -285,12 +285,7 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
             .and_then(|len| unsafe { inner.pool.slice_mut(offset, len) })
             .and_then(|buf| l2.read(&key, buf));
         let mut st = inner.lock();
-        st.end_io(&key);
-        let waiters = st
-            .objects
-            .get_mut(&key)
-            .map(|obj| std::mem::take(&mut obj.waiters))
-            .unwrap_or_default();
+        let waiters = st.end_load(&key);
         match result {
             Ok(()) => {
                 hand_to_waiters(&mut st, &key, &waiters);
