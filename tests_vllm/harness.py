@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -229,6 +230,9 @@ class EngineSpec:
     it keeps (0: only semantic ones, N: also every N tokens, None: every block)."""
     connector: bool = True
     failure_policy: str = "recompute"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """``KVTransferConfig.engine_id``: one per engine, the same in the scheduler
+    and every rank (vLLM copies one config into each)."""
 
 
 def layer_specs(block_size: int) -> dict[str, Any]:
@@ -287,6 +291,7 @@ def make_vllm_config(spec: EngineSpec, rank: int = 0) -> VllmConfig:
             kv_role="kv_both",
             kv_load_failure_policy=spec.failure_policy,
             kv_connector_extra_config=dict(spec.extra_config),
+            engine_id=spec.engine_id,
         )
     parallel = ParallelConfig(tensor_parallel_size=1)
     config = VllmConfig(
@@ -650,6 +655,7 @@ class Engine:
         )
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, Finished] = {}
+        self.closed = False
         self._prompts: dict[str, list[int]] = {}
         self.steps = 0
         self.before_step: list[Callable[[Engine], None]] = []
@@ -790,7 +796,11 @@ class Engine:
         return int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks) - 1
 
     def shutdown(self) -> None:
-        """Shut the scheduler connector and every rank down."""
+        """Shut the scheduler connector and every rank down (as vLLM's engine
+        core does: the workers first). Once is enough; later calls do nothing."""
+        if self.closed:
+            return
+        self.closed = True
         for rank in self.ranks:
             rank.shutdown()
         self.scheduler.shutdown()

@@ -429,3 +429,58 @@ def test_reset_cache_makes_earlier_checkpoints_unreachable(make_engine: EngineFa
     assert b.generate("b2", prompt, 2) == ToyModel.reference(prompt, 2)
     assert restored(b) == 64  # after: the earlier checkpoint is not offered
     assert counters(b).get("resets") == 1
+
+
+def _listed(sidecar: Sidecar, num_tokens: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(g["num_tokens"] == num_tokens for g in sidecar.client().list_generations()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_idle_engine_publishes_its_response_store_without_another_step(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    """An in-process engine stops stepping when its requests are done (what
+    ``LLM.generate`` does): the response store begun in the last step still
+    reaches the rank and is published, with no further step."""
+    prompt = tokens(41, 70)
+    a = make_engine()
+    a.add("r", prompt, 6)
+    a.step_until(lambda: "r" in a.finished)
+    assert _listed(sidecar, 70 + 6 - 1, 30), "the idle engine's response store was not published"
+    assert counters(a).get("tasks_handed_over", 0) >= 1
+    a.run()  # the next steps collect the results and release the pins
+
+    b = make_engine()
+    longer = prompt + a.finished["r"].output + tokens(42, 9)
+    assert b.generate("b", longer, 4) == ToyModel.reference(longer, 4)
+    assert restored(b) == 75
+
+
+def test_idle_hand_over_off_leaves_the_store_to_the_next_step(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    """The control: with ``idle_flush=0`` nothing moves between steps."""
+    a = make_engine(idle_flush=0)
+    a.add("r", tokens(43, 70), 6)
+    a.step_until(lambda: "r" in a.finished)
+    assert not _listed(sidecar, 75, 1.0)
+    a.run()
+    assert _listed(sidecar, 75, 30)
+
+
+def test_shutdown_right_after_the_last_step_publishes_the_response_store(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    """A process that shuts its engine down right after the request finished
+    (the end of a script) leaves the response checkpoint published."""
+    a = make_engine(idle_flush=0)  # only the shutdown path may publish it
+    a.add("r", tokens(44, 70), 6)
+    a.step_until(lambda: "r" in a.finished)
+    a.shutdown()
+    assert _listed(sidecar, 75, 30)
+    status = sidecar.status()
+    assert status["pending"] == 0 and status["store_leases"] == 0, status

@@ -28,12 +28,13 @@ between processes pass silently (rank layouts carry the mode's format).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from typing import Any, ClassVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 from lmcache_rc import errors
 from lmcache_rc.vllm.api import (
@@ -56,6 +57,7 @@ from lmcache_rc.vllm.api import (
 )
 from lmcache_rc.vllm.boundary import CheckpointSchedulerBridge
 from lmcache_rc.vllm.identity import checkpoint_identity
+from lmcache_rc.vllm.local import LocalEngine, forget, local_engine
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import (
     OPTION_PREFIX,
@@ -66,12 +68,35 @@ from lmcache_rc.vllm.options import (
     parse_options,
 )
 from lmcache_rc.vllm.sidecar import SidecarClient, connect
+from lmcache_rc.vllm.support import refusal
 from lmcache_rc.vllm.upstream import UpstreamScheduler
 from lmcache_rc.vllm.worker import WorkerSide
 
 __all__ = ["LMCacheRecurrentCheckpointConnector", "resolve_mode", "upstream_problems"]
 
 logger = logging.getLogger(__name__)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _serialized(
+    method: Callable[_P, _R],
+) -> Callable[_P, _R]:
+    """An entry point vLLM calls: one at a time with the other entry points of
+    the same engine in this process and with its idle hand-over thread
+    (:mod:`lmcache_rc.vllm.local`); a plain call when no local engine is joined."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        local: LocalEngine | None = getattr(args[0], "_local", None)
+        if local is None:
+            return method(*args, **kwargs)
+        with local.call():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def _is_role(role: Any, name: str) -> bool:
@@ -166,14 +191,19 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         self._upstream: UpstreamScheduler | None = None
         self._client: SidecarClient | None = None
         self._worker_side: WorkerSide | None = None
+        self._local: LocalEngine | None = None
         if self._mode is None and VLLM_AVAILABLE:
             self._disable(
                 "the installed vLLM offers neither the fork's boundary checkpoints nor "
                 "stock vLLM 0.33's connector hooks (KVConnectorBlockState)"
             )
-        if self._mode == "upstream" and not self._is_scheduler:
+        refused = refusal(vllm_config) if VLLM_AVAILABLE else None
+        if refused is not None:
+            # one line per engine: the scheduler says it, the ranks stay quiet
+            self._disable(refused, log=self._is_scheduler)
+        if self._mode == "upstream" and not self._is_scheduler and not self._disabled:
             self._worker_side = self._new_worker_side()
-        if self._mode == "upstream" and self._is_scheduler:
+        if self._mode == "upstream" and self._is_scheduler and not self._disabled:
             problems = upstream_problems(vllm_config, kv_cache_config)
             if problems:
                 raise InvalidConnectorConfig(
@@ -189,10 +219,11 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
                     "--no-async-scheduling to store response states."
                 )
 
-    def _disable(self, why: str) -> None:
+    def _disable(self, why: str, *, log: bool = True) -> None:
         if not self._disabled:
             self._disabled = why
-            logger.warning("lmcache-rc connector disabled: %s", why)
+            if log:
+                logger.warning("lmcache-rc connector disabled: %s", why)
 
     def _new_worker_side(self) -> WorkerSide:
         rank = worker_rank(self._vllm_config)
@@ -308,6 +339,10 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         if self._kv_config is None:
             raise ValueError("upstream mode needs the KVCacheConfig vLLM passes to the connector")
         self._worker_side.bind_kv_caches(kv_caches, self._kv_config)
+        local = local_engine(self._vllm_config, self._world_size)
+        if local is not None:
+            local.add_worker(self._worker_side.rank, self._worker_side)
+            self._local = local
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         """Not used (``prefer_cross_layer_blocks`` is False)."""
@@ -326,7 +361,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """
         if self._mode is None and not self._disabled:
             self._mode = "boundary"
-        if self._mode != "boundary":
+        if self._mode != "boundary" or self._disabled:
             return
         if self._worker_side is not None and self._worker_side.bound:
             raise RuntimeError("bind_boundary_checkpoint_state was called twice")
@@ -341,6 +376,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             initialize(layout)  # binds hidden-state views before the first forward
         self._worker_side.bind_boundary_pool(layout, state.get_external_checkpoint_page_pool())
 
+    @_serialized
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Submits this step's restores (boundary mode: every task) exactly once.
 
@@ -363,10 +399,13 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
     ) -> None:
         """No-op: whole checkpoints are stored after the forward."""
 
+    @_serialized
     def wait_for_save(self) -> None:
         """Upstream mode: submit this step's stores (their bytes are final now)."""
         if self._worker_side is not None and self._mode == "upstream":
-            self._worker_side.submit_stores()
+            meta = self._connector_metadata
+            step = meta.step if isinstance(meta, CheckpointConnectorMetadata) else 0
+            self._worker_side.submit_stores(step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, None)``: results travel by :meth:`get_transfer_results` only,
@@ -374,6 +413,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         count a failed rank as a hit)."""
         return None, None
 
+    @_serialized
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Restores that ended on this rank: ``finished_recving``, and failures
         also in ``failed_recving`` (vLLM then recomputes)."""
@@ -401,6 +441,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Empty: failures are reported per request (``failed_recving``)."""
         return set()
 
+    @_serialized
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This rank's layout (once) and its results since the last step.
 
@@ -450,6 +491,10 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             clock=self.clock,
         )
         self._upstream.bind_block_pool(kv_cache_manager.block_pool)
+        local = local_engine(self._vllm_config, self._world_size)
+        if local is not None:
+            local.set_scheduler(self._upstream, o.idle_flush)
+            self._local = local
         logger.info(
             "lmcache-rc connector: upstream mode, sidecar %s, %d worker ranks",
             o.socket,
@@ -466,7 +511,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Fork hook (scheduler): take the allocator and connect to the sidecar."""
         if self._mode is None and not self._disabled:
             self._mode = "boundary"
-        if self._mode != "boundary":
+        if self._mode != "boundary" or self._disabled:
             return
         if self._bridge is not None:
             raise RuntimeError("bind_boundary_checkpoint_cache was called twice")
@@ -495,11 +540,13 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Fork hook: tokens of the local hit that an import published for this request."""
         return 0 if self._bridge is None else self._bridge.external_tokens(request)
 
+    @_serialized
     def on_new_request(self, request: Request) -> None:
         """vLLM: a request arrived (upstream stores need its tokens later)."""
         if self._upstream is not None:
             self._upstream.on_new_request(request)
 
+    @_serialized
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -510,6 +557,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             return 0, False
         return self._upstream.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_serialized
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -525,6 +573,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         if self._bridge is not None:
             self._bridge.store(request, checkpoint)
 
+    @_serialized
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's new copy tasks, each emitted exactly once."""
         if self._upstream is not None:
@@ -541,6 +590,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             return self._bridge.build_meta(scheduler_output)
         return CheckpointConnectorMetadata()
 
+    @_serialized
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Rank layouts and results: negotiate, publish, discard, release."""
         if self._upstream is not None:
@@ -554,6 +604,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Single-group form of :meth:`request_finished_all_groups`."""
         return self.request_finished_all_groups(request, (block_ids,))
 
+    @_serialized
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -565,6 +616,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             return self._bridge.request_finished(request)
         return False, None
 
+    @_serialized
     def has_pending_push_work(self) -> bool:
         """True while layouts are negotiated or stores/copies are outstanding."""
         if self._upstream is not None:
@@ -597,6 +649,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """None: the default (world size)."""
         return None
 
+    @_serialized
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: checkpoints stored before
         are never restored by this engine again (a new epoch enters its
@@ -611,6 +664,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
 
     # ------------------------------------------------------------------ both
 
+    @_serialized
     def report_status(self) -> dict[str, Any]:
         """The connector's state: the scheduler side's report or the rank's."""
         base: dict[str, Any] = {
@@ -649,10 +703,21 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         A worker whose copies cannot be proven stopped raises
         ``errors.UnsafeCopy``: the process must exit without unmapping.
         """
+        local, self._local = self._local, None
+        if local is not None and self._worker_side is not None:
+            # the engine's forwards have ended: its begun stores go to the ranks
+            # before the copies drain (vLLM shuts the workers down first)
+            o = self._options
+            local.flush(min(o.begin_timeout, o.close_timeout or o.begin_timeout))
         if self._bridge is not None:
             self._bridge.close()
         if self._upstream is not None:
-            self._upstream.close()
+            if local is not None:
+                with local.call():
+                    self._upstream.close()
+                forget(local)
+            else:
+                self._upstream.close()
         if self._client is not None:
             client, self._client = self._client, None
             client.close()

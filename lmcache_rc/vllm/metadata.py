@@ -30,11 +30,17 @@ class CheckpointConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     this step. Each task appears in exactly one step's metadata (see
     docs/design/transfers.md#the-connectors-task-protocol)."""
 
-    def __init__(self, tasks: Sequence[CheckpointEngineTask] = ()) -> None:
+    def __init__(self, tasks: Sequence[CheckpointEngineTask] = (), step: int = 0) -> None:
         self.tasks: tuple[CheckpointEngineTask, ...] = tuple(tasks)
+        self.step = step
+        """The scheduler side's step number (upstream mode; 0 when not counted):
+        a rank that ran this step's ``wait_for_save`` has finished its forward."""
 
     def __repr__(self) -> str:
-        return f"CheckpointConnectorMetadata(tasks={[t.task_id for t in self.tasks]})"
+        return (
+            f"CheckpointConnectorMetadata(step={self.step}, "
+            f"tasks={[t.task_id for t in self.tasks]})"
+        )
 
 
 class CheckpointWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]

@@ -54,6 +54,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "task_timeout": 300.0,
     "layout_timeout": 300.0,
     "close_timeout": 180.0,
+    "idle_flush": 0.05,
     "vllm_api": "auto",
     "store_prompt": "last",
     "store_response": True,
@@ -117,6 +118,11 @@ class ConnectorOptions:
     close_timeout: float = 180.0
     """How long a worker's shutdown waits for its copies to drain before it
     raises ``UnsafeCopy`` (the process must then exit); 0 waits forever."""
+    idle_flush: float = 0.05
+    """Upstream mode, scheduler and ranks in one process: seconds without an
+    engine step after which begun stores go straight to the ranks, so an idle
+    engine publishes them (``lmcache_rc.vllm.local``); 0 leaves them for the
+    next step (a rank's shutdown still hands them over)."""
     vllm_api: str = "auto"
     """``auto``, ``boundary`` (the fork's boundary checkpoints) or ``upstream``
     (stock vLLM 0.33 connector hooks)."""
@@ -268,6 +274,7 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
         task_timeout=_number("task_timeout", get("task_timeout"), zero_ok=True),
         layout_timeout=_number("layout_timeout", get("layout_timeout"), zero_ok=True),
         close_timeout=_number("close_timeout", get("close_timeout"), zero_ok=True),
+        idle_flush=_number("idle_flush", get("idle_flush"), zero_ok=True),
         vllm_api=_choice("vllm_api", get("vllm_api"), VLLM_APIS),
         store_prompt=_choice("store_prompt", get("store_prompt"), STORE_PROMPT),
         store_response=_boolean("store_response", get("store_response")),

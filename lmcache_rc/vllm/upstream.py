@@ -127,6 +127,9 @@ class _Task(CopyTask):
     """``prompt``, ``response`` (stores) or ``restore``."""
     pins: tuple[int, ...] = ()
     error: str = ""
+    ready_step: int = 0
+    """The step whose forward writes the task's bytes (0: written already); a
+    hand-over to local ranks waits until every rank finished that forward."""
 
     def engine_task(self) -> CheckpointEngineTask:
         return CheckpointEngineTask(
@@ -185,6 +188,11 @@ class UpstreamScheduler(TaskBook[_Task]):
         self._pool: BlockPool | None = None
         self._requests: dict[str, Request] = {}
         self._restores: dict[str, _Restore] = {}
+        self._step = 0
+        """Steps whose metadata this side built (stamped on each metadata)."""
+        self._off_thread = False
+        """True during a hand-over: vLLM's block pool must not be touched."""
+        self._deferred_unpins: list[int] = []
 
     # ------------------------------------------------------------------ properties
 
@@ -439,6 +447,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             request_id=request.request_id,
             kind=kind,
             pins=pins,
+            ready_step=self._step if kind == "prompt" else 0,
         )
         try:
             future = self._client.begin_async(manifest)
@@ -520,6 +529,7 @@ class UpstreamScheduler(TaskBook[_Task]):
     ) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished_all_groups``: store the response state, forget the
         request. Never delays vLLM's free (store sources are pinned instead)."""
+        self._release_deferred()
         rid = request.request_id
         self._requests.pop(rid, None)
         restore = self._restores.pop(rid, None)
@@ -557,13 +567,56 @@ class UpstreamScheduler(TaskBook[_Task]):
 
     def _unpin(self, task: _Task) -> None:
         if task.pins and self._pool is not None:
-            self._pool.free_blocks([self._pool.blocks[b] for b in reversed(task.pins)])
+            if self._off_thread:  # vLLM's pool belongs to the scheduler thread
+                self._deferred_unpins.extend(reversed(task.pins))
+            else:
+                self._pool.free_blocks([self._pool.blocks[b] for b in reversed(task.pins)])
         task.pins = ()
+
+    def _release_deferred(self) -> None:
+        """Frees the pins a hand-over released (on the scheduler thread)."""
+        if self._deferred_unpins and self._pool is not None:
+            pins, self._deferred_unpins = self._deferred_unpins, []
+            self._pool.free_blocks([self._pool.blocks[b] for b in pins])
+
+    # ------------------------------------------------------------------ hand-over
+
+    def has_unsent_work(self) -> bool:
+        """Whether BEGINs are unanswered or store tasks wait for a step to be sent."""
+        if self._closed:
+            return False
+        return bool(self._begins) or any(
+            not t.sent and t.direction == "STORE" for t in self._tasks.values()
+        )
+
+    def hand_over(self, submit: Callable[[CheckpointEngineTask], None], saved_step: int) -> bool:
+        """Idle or exiting engine (:mod:`lmcache_rc.vllm.local`): answered BEGINs
+        become tasks, and every unsent store task whose bytes are final (its
+        step's forward ended on every rank: ``ready_step <= saved_step``) goes
+        to the local ranks through ``submit`` now, instead of in the next
+        step's metadata. Never touches vLLM's block pool. Returns True while
+        BEGINs are still unanswered."""
+        if self._closed:
+            return False
+        self._off_thread = True
+        try:
+            self._pump_begins()
+            for task in list(self._tasks.values()):
+                if task.sent or task.direction != "STORE" or task.ready_step > saved_step:
+                    continue
+                task.sent = True
+                submit(task.engine_task())
+                self._counters["tasks_handed_over"] += 1
+        finally:
+            self._off_thread = False
+        return bool(self._begins)
 
     # ------------------------------------------------------------------ per step
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> CheckpointConnectorMetadata:
         """``build_connector_meta``: this step's stores and restores, each task once."""
+        self._release_deferred()
+        self._step += 1
         self._negotiation.settled()
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             restore = self._restores.get(rid)
@@ -589,7 +642,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             else:
                 self._counters["tasks_deferred"] += 1
         self._counters["tasks_sent"] += len(out)
-        return CheckpointConnectorMetadata(out)
+        return CheckpointConnectorMetadata(out, step=self._step)
 
     def update(self, connector_output: Any) -> None:
         """``update_connector_output``: take layouts and rank results.
@@ -598,6 +651,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         outside ``0..world_size-1``, a rank reporting one task twice, an
         unknown task id).
         """
+        self._release_deferred()
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if meta is None:
             return

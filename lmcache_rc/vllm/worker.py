@@ -115,6 +115,7 @@ class WorkerSide:
         self._recv_failed: set[str] = set()
         # results taken by transfer_results() that the worker metadata still owes
         self._pending_results: dict[str, bool] = {}
+        self._saved_step = 0
         self.upstream: UpstreamLayout | None = None
 
     # ------------------------------------------------------------------ properties
@@ -142,6 +143,12 @@ class WorkerSide:
     def in_flight(self) -> int:
         """Copies queued or running on this rank."""
         return 0 if self._worker is None else self._worker.in_flight()
+
+    @property
+    def saved_step(self) -> int:
+        """Upstream mode: the step of the newest metadata whose forward ended here
+        (its stores were submitted at ``wait_for_save``)."""
+        return self._saved_step
 
     def is_unsafe(self) -> bool:
         """Whether the copy worker turned unsafe."""
@@ -224,11 +231,7 @@ class WorkerSide:
         if not isinstance(meta, CheckpointConnectorMetadata) or not meta.tasks:
             return
         for task in meta.tasks:
-            if task.task_id in self._seen:
-                raise RuntimeError(f"checkpoint task {task.task_id} was delivered twice")
-            self._seen[task.task_id] = None
-            if len(self._seen) > SEEN_TASKS:
-                self._seen.popitem(last=False)
+            self._see(task)
             if task.request_id and task.direction == "RETRIEVE":
                 self._loads[task.task_id] = task.request_id
             if stores_later and task.direction == "STORE":
@@ -236,11 +239,25 @@ class WorkerSide:
                 continue
             self._submit(task)
 
-    def submit_stores(self) -> None:
-        """Upstream mode, after the forward: submit the stores taken this step."""
+    def _see(self, task: CheckpointEngineTask) -> None:
+        if task.task_id in self._seen:
+            raise RuntimeError(f"checkpoint task {task.task_id} was delivered twice")
+        self._seen[task.task_id] = None
+        if len(self._seen) > SEEN_TASKS:
+            self._seen.popitem(last=False)
+
+    def take_now(self, task: CheckpointEngineTask) -> None:
+        """A store handed over by an idle or exiting engine (its bytes are final):
+        submitted at once; its result is reported like any other."""
+        self._see(task)
+        self._submit(task)
+
+    def submit_stores(self, step: int = 0) -> None:
+        """Upstream mode, after the forward of ``step``: submit the stores taken this step."""
         stores, self._stores = self._stores, []
         for task in stores:
             self._submit(task)
+        self._saved_step = max(self._saved_step, step)
 
     def _submit(self, task: CheckpointEngineTask) -> None:
         if self._worker is None:
