@@ -11,8 +11,8 @@ cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "== ruff"
-ruff check lmcache_rc tests_py tests_vllm ci
-ruff format --check lmcache_rc tests_py tests_vllm ci
+ruff check lmcache_rc tests_py tests_vllm tests_engine ci
+ruff format --check lmcache_rc tests_py tests_vllm tests_engine ci
 echo "== mypy --strict"
 mypy --strict lmcache_rc
 echo "== lmcache_rc/errors.py is generated from the core's error table"

@@ -42,9 +42,10 @@ KNOWN_WRONG: tuple[KnownWrong, ...] = (
         platform="cpu",
         versions=("0.32.",),
         why=(
-            "vLLM's CPU build continues the short-conv state wrongly from a cached state: "
-            "its own prefix caching gives other outputs than computing the same prompt "
-            "from scratch, so a restored checkpoint would too"
+            "vLLM's CPU build computes the short-conv models wrongly: their outputs differ "
+            "from transformers' and change with the block size, and its own prefix caching "
+            "continues them differently from a recomputation, so a restored checkpoint "
+            "would too"
         ),
     ),
 )
