@@ -769,10 +769,34 @@ class KVConnectorOutput(Protocol):
     failed_recving: set[str]
 
 
+BOUNDARY_BASE_MARKER = "supports_request_boundary_checkpoints"
+"""Defined on the fork's connector base class (answering False); absent from stock vLLM."""
+
+BOUNDARY_CONFIG_MARKER = "use_request_boundary_checkpoints"
+"""The fork's ``VllmConfig`` property that turns boundary checkpoints on."""
+
+
 def has_boundary_api() -> bool:
-    """Whether the installed vLLM is the fork with request-boundary checkpoints
-    (its connector base class has the fork's scheduler hook)."""
-    return VLLM_AVAILABLE and hasattr(KVConnectorBase_V1, "bind_boundary_checkpoint_cache")
+    """Whether the installed vLLM is the fork with request-boundary checkpoints.
+
+    Decided by the fork's documented markers (docs/design/vllm-boundary-api.md
+    §2.1, §2.2): its connector base class defines
+    ``supports_request_boundary_checkpoints``, or its ``VllmConfig`` has the
+    ``use_request_boundary_checkpoints`` property. The scheduler hook
+    ``bind_boundary_checkpoint_cache`` is *not* a marker: the fork's base class
+    does not define it (a connector must), so testing for it refused the fork.
+    """
+    if not VLLM_AVAILABLE:
+        return False
+    if hasattr(KVConnectorBase_V1, BOUNDARY_BASE_MARKER):
+        return True
+    try:  # pragma: no cover - depends on the installed vLLM
+        from vllm.config import (  # type: ignore[import-not-found, unused-ignore]
+            VllmConfig,
+        )
+    except Exception:
+        return False
+    return hasattr(VllmConfig, BOUNDARY_CONFIG_MARKER)
 
 
 def has_upstream_api() -> bool:
