@@ -257,6 +257,7 @@ class Engines:
         return {
             "model": str(self.model_dirs[family]),
             "family": family,
+            "block_size": models.FAMILIES[family].block_size if family in models.FAMILIES else None,
             "engine": engine,
             "multiprocess": multiprocess,
             "connector": connector,

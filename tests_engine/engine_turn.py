@@ -10,7 +10,9 @@ scheduler-side counters. Then, as the spec says, it returns at once (a script
 that ends right after ``generate()``), stays idle for a while, or is killed by
 the test.
 
-Spec keys: ``model`` (folder), ``family``, ``engine`` (extra ``LLM`` kwargs),
+Spec keys: ``model`` (folder), ``family``, ``block_size`` (None, or the block
+size the suite expects: any other choice of vLLM's ends the process with a
+message saying so), ``engine`` (extra ``LLM`` kwargs),
 ``multiprocess`` (bool: vLLM's engine-core process or in-process),
 ``connector`` (None, or the ``lmcache_rc.*`` options without the prefix),
 ``batches`` (list of lists of token lists), ``max_tokens``, ``fault``
@@ -55,8 +57,9 @@ def _margins(logprobs: Any) -> list[float]:
     return out
 
 
-def _inject_fault(kind: str, count: int) -> None:
-    """Runs on the worker: the rank's next ``count`` copies get ``kind``."""
+def _inject_fault(worker: Any, kind: str, count: int) -> None:
+    """Runs on each worker (``collective_rpc`` passes the worker first): the
+    rank's next ``count`` copies get ``kind``."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     get_kv_transfer_group().inject_fault(kind, count)
@@ -93,6 +96,15 @@ def main() -> None:
     started = time.monotonic()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, **kwargs)
     startup = time.monotonic() - started
+    chosen = llm.llm_engine.vllm_config.cache_config.block_size
+    expected = spec.get("block_size")
+    if expected is not None and chosen != expected:
+        # every scenario is laid out in blocks of models.py's size: stop here,
+        # not at a confusing assertion about restored token counts later
+        raise SystemExit(
+            f"vLLM chose block size {chosen} for {spec['family']}, the suite "
+            f"expects {expected} (models.py); pin what moved it in the family's engine kwargs"
+        )
     if spec.get("fault"):
         fault = spec["fault"]
         llm.collective_rpc(_inject_fault, args=(fault["kind"], int(fault.get("count", 1))))
@@ -131,7 +143,12 @@ def main() -> None:
                 ],
             }
         )
-    result = {"startup": startup, "batches": batches, "connector": _connector_status(llm)}
+    result = {
+        "startup": startup,
+        "block_size": chosen,
+        "batches": batches,
+        "connector": _connector_status(llm),
+    }
     print("RESULT " + json.dumps(result), flush=True)
     idle = float(spec.get("idle", 0))
     if idle > 0:

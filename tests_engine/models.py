@@ -239,9 +239,14 @@ FAMILIES: dict[str, FamilySpec] = {
         block_size=256,
         continues_correctly=True,
         config=_qwen3_next,
+        # vLLM's CPU build keeps the SSM state in the model dtype, except on
+        # CPUs with AVX-512 BF16 where it switches to float32 unless told
+        # otherwise; the state's size sets the block size (256 with bfloat16
+        # state, 384 with float32), so it is pinned: the same block everywhere.
+        engine={"mamba_ssm_cache_dtype": "bfloat16"},
         note=(
             "GDN + attention, MoE MLP. vLLM's CPU GDN wants bfloat16 and 128-wide "
-            "linear heads; vLLM picks block 256 for this config (288 for others)"
+            "linear heads; SSM state pinned to bfloat16 (block 256 on every CPU)"
         ),
     ),
     "granitemoehybrid": FamilySpec(

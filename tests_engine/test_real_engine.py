@@ -67,9 +67,12 @@ def test_multi_turn_workload_in_fresh_processes(
     prefix of it, and every output equals the connector-less reference."""
     bs = block(family)
     multiprocess = MODES[mode]
-    # vLLM keeps a boundary state at every block (not only where a prefill
-    # chunk ended), so every boundary is offered and stored
-    keep: dict[str, Any] = {"prefix_cache_retention_interval": bs}
+    # align mode has a recurrent state only where a prefill chunk ended
+    # (vLLM ends split chunks on block boundaries): with one block of tokens
+    # per step every chunk ends on one, whatever order the requests reach the
+    # engine in (an engine-core process gets them while steps run), and the
+    # retention interval keeps the state of every block, not only the last
+    keep: dict[str, Any] = {"max_num_batched_tokens": bs, "prefix_cache_retention_interval": bs}
     transcript.note(f"{family}, {mode} engine, block {bs}")
     conv = tokens(1, 2 * bs + bs // 3, family)
     short, exact, many = (
@@ -151,15 +154,24 @@ def test_failures_tiny_cache_failed_load_and_a_killed_sidecar(
     sidecar restarted on the same index and L2 then serves a fresh engine.
     Every output equals the connector-less reference."""
     bs = block(family)
+    # every engine of this test shares one max_model_len (it is part of the
+    # checkpoint namespace), small enough for the tiny pool of (2): vLLM
+    # refuses a pool that cannot hold one request of max_model_len, and three
+    # blocks of tokens hold the longest request here (2 bs + 40 + 2 OUT)
+    small: dict[str, Any] = {"max_model_len": 3 * bs}
     seeds = [tokens(60 + i, 2 * bs + 7 * i, family) for i in range(5)]
-    first = engines.run(family, [seeds[:3]], socket=sidecar.socket, options=ALL)
+    first = engines.run(family, [seeds[:3]], socket=sidecar.socket, options=ALL, engine=small)
     log_run(transcript, "seed", first)
     cont = [
         p + t.output + tokens(70 + i, 12, family)
         for i, (p, t) in enumerate(zip(seeds[:3], first.turns, strict=True))
     ]
     failed = engines.run(
-        family, [[cont[2]]], socket=sidecar.socket, fault={"kind": "fail", "count": 1}
+        family,
+        [[cont[2]]],
+        socket=sidecar.socket,
+        fault={"kind": "fail", "count": 1},
+        engine=small,
     )
     log_run(transcript, "failed load", failed)
     assert failed.connector is not None
@@ -167,7 +179,7 @@ def test_failures_tiny_cache_failed_load_and_a_killed_sidecar(
 
     tiny_batch = cont[:2] + seeds[3:]
     down = seeds[3] + tokens(81, 40, family)
-    tiny: dict[str, Any] = {"num_gpu_blocks_override": 3 * (2 * bs + 40) // bs + 2}
+    tiny: dict[str, Any] = {**small, "num_gpu_blocks_override": 3 * (2 * bs + 40) // bs + 2}
     engine = start_gated(
         engines,
         family,
@@ -189,11 +201,17 @@ def test_failures_tiny_cache_failed_load_and_a_killed_sidecar(
     after_prompt = seeds[4] + tokens(82, 30, family)
     want = longest_stored(sidecar.prefixes(), after_prompt)
     assert want > 0, "the restarted sidecar lost its durable checkpoints"
-    after = engines.run(family, [[after_prompt]], socket=sidecar.socket)
+    after = engines.run(family, [[after_prompt]], socket=sidecar.socket, engine=small)
     log_run(transcript, "restarted sidecar", after)
     assert after.turns[0].cached == want
 
-    ref = reference(engines, family, [cont[2], *tiny_batch, down, after_prompt], max_tokens=2 * OUT)
+    ref = reference(
+        engines,
+        family,
+        [cont[2], *tiny_batch, down, after_prompt],
+        max_tokens=2 * OUT,
+        engine=small,
+    )
     assert_identical(family, failed, [_cut(ref[0], OUT)], "failed load", transcript=transcript)
     assert_identical(family, run, ref[1:6], "tiny cache / sidecar down", transcript=transcript)
     assert_identical(family, after, [_cut(ref[6], OUT)], "restarted sidecar", transcript=transcript)
