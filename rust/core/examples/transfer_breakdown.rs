@@ -13,7 +13,9 @@
 //! MAX_JOB_MIB (default 2048) skips the configurations whose job is larger
 //! (1024 × 2 MiB needs about 4 GiB: the page pool and the sidecar's pool).
 //! Figures are medians over repeated jobs (more for small jobs); `per page`
-//! is the job's time outside the copy divided by its pages.
+//! is the job's time outside the copy divided by its pages. The last line
+//! is the fixed per-job overhead: a one-page store and restore in µs and in
+//! round trips (target ≤ 3; `docs/design/README.md#performance-targets`).
 // A benchmark reports on stdout and stops at the first failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
@@ -269,6 +271,8 @@ fn main() {
          copy GB/s memcpy GB/s | per page µs"
     );
     let mut seq = 0u32;
+    // (store, restore) totals of the one-page 4 KiB job.
+    let mut one_page = None;
     for page in SIZES {
         for pages in COUNTS {
             let bytes = page * pages;
@@ -324,6 +328,9 @@ fn main() {
                 "restored bytes differ"
             );
             let memcpy = median(mc);
+            if pages == 1 && page == SIZES[0] {
+                one_page = Some((medians(&st).total, medians(&rt).total));
+            }
             for (name, runs) in [("store  ", st), ("restore", rt)] {
                 let p = medians(&runs);
                 let gbs = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
@@ -348,5 +355,15 @@ fn main() {
     }
     pipelined(&svc, &socket, &mut seq);
     println!("RPC round trip p50: {:.1} µs", us(rtt));
+    if let Some((store, restore)) = one_page {
+        println!(
+            "one-page job (4 KiB, submit to end): store {:.1} µs = {:.1} round trips, restore \
+             {:.1} µs = {:.1} round trips (target <= 3)",
+            us(store),
+            us(store) / us(rtt),
+            us(restore),
+            us(restore) / us(rtt)
+        );
+    }
     server.shutdown().expect("shutdown");
 }
