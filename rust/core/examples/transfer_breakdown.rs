@@ -148,6 +148,12 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
             .expect("engine")
         };
         let (store, restore) = (start(&mut src), start(&mut dst));
+        if workers == 1 {
+            println!(
+                "shared-memory pool pages: {}",
+                store.stats().shm_pages.unwrap_or_default()
+            );
+        }
         let mut lines = Vec::new();
         let mut memcpy = Vec::new();
         for round in 0..4 {

@@ -348,6 +348,9 @@ pub struct EngineStats {
     pub mappings: u64,
     /// Whether the engine is unsafe.
     pub is_unsafe: bool,
+    /// Which pages back the mapped shared-memory pool
+    /// ([`ShmPool::page_size_status`]); None before the first mapping.
+    pub shm_pages: Option<String>,
 }
 
 /// Background copies between a worker's page pool and the sidecar's shared
@@ -485,6 +488,13 @@ impl TransferEngine {
             in_flight: self.in_flight(),
             mappings: *self.inner.remaps.lock(),
             is_unsafe: self.is_unsafe(),
+            // Read outside the lock (it parses /proc/self/smaps).
+            shm_pages: self
+                .inner
+                .mapping
+                .lock()
+                .clone()
+                .map(|m| m.pool.page_size_status()),
         }
     }
 
