@@ -25,6 +25,7 @@ echo "== service: store + retrieve through lease slots vs memcpy"
 python ci/bench_service.py
 run_example rpc_bench "RPC round trip vs raw Unix-socket ping-pong" $quick
 run_example transfer_bench "transfer engine (Rust, cpu backend) vs memcpy"
+run_example transfer_breakdown "transfer engine: time per phase of a job (lease RPCs, checks, copy, finish) vs memcpy and an RPC round trip" 256
 echo "== transfer engine (lmcache-rc bench, cpu backend): store + restore through the sidecar vs memcpy"
 python ci/bench_transfer.py
 run_example shared_bench "shared tier (S3, s3s-fs on loopback): upload / verified download vs raw PUT/GET, cross-host lookup" $quick

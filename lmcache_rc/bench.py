@@ -2,12 +2,15 @@
 
 Stores pages from a host page pool into a sidecar's shared memory and
 restores them into a second pool with the cpu backend, through the real RPC
-path, with 1 and 2 copy threads, and prints each figure next to a
-single-thread memcpy (numpy ``copyto``) of the same bytes measured in the same
-run, with a verdict per target (:data:`TARGETS`: ratio ≥ 0.8 with one copy
-thread, ≥ 1.5 with two; each applies to stores and to restores; see
+path, with 1 and 2 copy threads, and prints each figure next to a raw copy
+of the same bytes measured in the same run, with a verdict per target
+(:data:`TARGETS`): one copy thread against a single-thread memcpy (numpy
+``copyto``), ratio ≥ 0.85; two copy threads against two raw threads (numpy
+``copyto`` of each half on its own thread, or one thread where that is
+faster: a memory-bound machine gains nothing from a second thread), ratio ≥
+0.9. Each applies to stores and to restores; see
 docs/design/README.md#performance-targets and docs/operations.md,
-"lmcache-rc bench"). Every restore is checked byte for byte.
+"lmcache-rc bench". Every restore is checked byte for byte.
 ``ci/bench.sh`` runs it, alongside the Rust benchmarks of the other parts.
 
 By default it starts an embedded sidecar of its own. With ``socket`` it runs
@@ -26,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -46,8 +50,10 @@ __all__ = [
 
 PAGES_PER_JOB = 64
 
-TARGETS: dict[int, float] = {1: 0.8, 2: 1.5}
-"""Minimum throughput ÷ memcpy ratio per copy-thread count (stores and restores)."""
+TARGETS: dict[int, float] = {1: 0.85, 2: 0.9}
+"""Minimum throughput ÷ raw-copy ratio per copy-thread count (stores and
+restores): the raw copy is a one-thread memcpy for one copy thread, and the
+faster of two raw threads and one for two (:meth:`BenchResult.baselines`)."""
 
 
 class BenchError(RuntimeError):
@@ -99,6 +105,9 @@ class BenchResult:
     jobs: int
     rounds: int
     memcpy_mb_s: float
+    """One thread: numpy ``copyto`` of the whole buffer."""
+    memcpy2_mb_s: float
+    """Two threads: numpy ``copyto`` of each half on its own thread."""
     store_mb_s: dict[int, float]
     restore_mb_s: dict[int, float]
     socket: str | None = None
@@ -106,10 +115,17 @@ class BenchResult:
     namespace: str = ""
     """The run's own namespace (retired after every round)."""
 
+    def baselines(self) -> dict[int, float]:
+        """The raw copy each copy-thread count is measured against: one
+        memcpy thread for one, the faster of two raw threads and one for two."""
+        return {1: self.memcpy_mb_s, 2: max(self.memcpy_mb_s, self.memcpy2_mb_s)}
+
     def ratios(self) -> dict[str, float]:
-        """``store_<threads>`` / ``restore_<threads>`` → throughput ÷ memcpy."""
-        out = {f"store_{w}": v / self.memcpy_mb_s for w, v in self.store_mb_s.items()}
-        out.update({f"restore_{w}": v / self.memcpy_mb_s for w, v in self.restore_mb_s.items()})
+        """``store_<threads>`` / ``restore_<threads>`` → throughput ÷ its
+        baseline (:meth:`baselines`)."""
+        base = self.baselines()
+        out = {f"store_{w}": v / base[w] for w, v in self.store_mb_s.items()}
+        out.update({f"restore_{w}": v / base[w] for w, v in self.restore_mb_s.items()})
         return out
 
     def verdicts(self) -> dict[str, dict[str, Any]]:
@@ -129,6 +145,7 @@ class BenchResult:
         """The ``--json`` object: every field, the ratios and the verdicts."""
         return {
             **asdict(self),
+            "baseline_mb_s": self.baselines(),
             "size": format_bytes(self.total_bytes),
             "ratios": self.ratios(),
             "targets": self.verdicts(),
@@ -149,17 +166,22 @@ class BenchResult:
             f" = {format_bytes(self.total_bytes)} in {self.jobs} jobs, median of "
             f"{self.rounds} rounds,",
             f"  {where} over RPC, cpu backend, restores checked byte for byte",
-            f"  memcpy (numpy copyto, 1 thread) : {self.memcpy_mb_s * mib_s:8.1f} MiB/s",
+            f"  memcpy (numpy copyto, 1 thread) : {self.memcpy_mb_s * mib_s:8.1f} MiB/s"
+            "  (baseline of 1 copy thread)",
+            f"  memcpy (2 threads, a half each)  : {self.memcpy2_mb_s * mib_s:8.1f} MiB/s"
+            f"  (baseline of 2 copy threads: the faster of these two, "
+            f"{self.baselines()[2] * mib_s:.1f} MiB/s)",
         ]
+        ratios = self.ratios()
         for w in sorted(self.store_mb_s):
             s, r = self.store_mb_s[w], self.restore_mb_s[w]
             lines.append(
                 f"  {w} copy thread(s): store   {s * mib_s:8.1f} MiB/s ratio "
-                f"{s / self.memcpy_mb_s:.3f}  {verdict(f'store_{w}')}"
+                f"{ratios[f'store_{w}']:.3f}  {verdict(f'store_{w}')}"
             )
             lines.append(
                 f"  {w} copy thread(s): restore {r * mib_s:8.1f} MiB/s ratio "
-                f"{r / self.memcpy_mb_s:.3f}  {verdict(f'restore_{w}')}"
+                f"{ratios[f'restore_{w}']:.3f}  {verdict(f'restore_{w}')}"
             )
         met = sum(v["met"] for v in self.verdicts().values())
         lines.append(f"  targets met: {met} of {len(self.verdicts())}")
@@ -178,6 +200,22 @@ def _run(engine: rc.TransferEngine, manifests: list[rc.Manifest], direction: str
     for f in futures:
         if f.result() is not True:
             raise RuntimeError(f"a {direction} failed: {f.error}")
+    return time.perf_counter() - start
+
+
+def _copy_halves(
+    dst: np.ndarray[Any, np.dtype[np.uint8]], src: np.ndarray[Any, np.dtype[np.uint8]]
+) -> float:
+    """Seconds for two threads to ``copyto`` a half of ``src`` each (numpy
+    releases the GIL while it copies)."""
+    half = len(src) // 2
+    parts = [(dst[:half], src[:half]), (dst[half:], src[half:])]
+    workers = [threading.Thread(target=np.copyto, args=part) for part in parts]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
     return time.perf_counter() - start
 
 
@@ -233,6 +271,7 @@ def run_transfer_bench(
     src[1:] = np.random.default_rng(0).integers(0, 255, size=(rows, page_bytes), dtype=np.uint8)
     dst = np.zeros_like(src)
     memcpy: list[float] = []
+    memcpy2: list[float] = []
     times: dict[int, tuple[list[float], list[float]]] = {1: ([], []), 2: ([], [])}
     with tempfile.TemporaryDirectory() as tmp:
         server: rc.Server | None = None
@@ -250,7 +289,16 @@ def run_transfer_bench(
                 if server is None:
                     _check_room(client, total)
                 _bench_rounds(
-                    client, socket_path, namespace, src, dst, layout, jobs, rounds, memcpy, times
+                    client,
+                    socket_path,
+                    namespace,
+                    src,
+                    dst,
+                    layout,
+                    jobs,
+                    rounds,
+                    (memcpy, memcpy2),
+                    times,
                 )
         finally:
             if server is not None:
@@ -263,6 +311,7 @@ def run_transfer_bench(
         jobs=jobs,
         rounds=rounds,
         memcpy_mb_s=mb / statistics.median(memcpy),
+        memcpy2_mb_s=mb / statistics.median(memcpy2),
         store_mb_s={w: mb / statistics.median(t[0]) for w, t in times.items()},
         restore_mb_s={w: mb / statistics.median(t[1]) for w, t in times.items()},
         socket=socket,
@@ -279,7 +328,7 @@ def _bench_rounds(
     layout: dict[str, Any],
     jobs: int,
     rounds: int,
-    memcpy: list[float],
+    memcpy: tuple[list[float], list[float]],
     times: dict[int, tuple[list[float], list[float]]],
 ) -> None:
     """The warm-up round and the measured ones; every round's generations
@@ -299,8 +348,12 @@ def _bench_rounds(
             for workers, (store, restore) in engines.items():
                 start = time.perf_counter()
                 np.copyto(dst, src)
+                one = time.perf_counter() - start
+                dst[:] = 0
+                two = _copy_halves(dst, src)
                 if r:
-                    memcpy.append(time.perf_counter() - start)
+                    memcpy[0].append(one)
+                    memcpy[1].append(two)
                 dst[:] = 0
                 staged = []
                 for _ in range(jobs):

@@ -565,3 +565,41 @@ def test_a_restarted_sidecar_is_page_locked_again_and_the_old_mapping_released(
         engine.close()
     del engine
     assert_released(fake, baseline)
+
+
+def test_the_gpu_restore_measurement_runs_on_the_fake_driver(fake: FakeDriver) -> None:
+    # ci/gpu-check.sh's measurement (tests_py/gpu_restore.py) at a small
+    # size: four ranks store and restore through cuda engines, the bytes are
+    # checked, and the raw cuMemcpyHtoDAsync baseline runs on the same
+    # driver (it fills the restored buffers with its host bytes, 1s). The
+    # figures are structure only here, never speed.
+    import gpu_restore
+
+    baseline = fake.stats()
+    made: list[FakeCudaTensor] = []
+
+    def alloc(rows: int, page_bytes: int, random: bool) -> FakeCudaTensor:
+        array = np.zeros((rows, page_bytes), np.uint8)
+        if random:
+            array[1:] = np.random.default_rng(len(made)).integers(0, 256, array[1:].shape)
+        made.append(FakeCudaTensor(fake, array))
+        return made[-1]
+
+    def same(a: Any, b: Any) -> bool:
+        return bool(np.array_equal(a.array[1:], b.array[1:]))
+
+    copies_before = fake.calls("cuMemcpyHtoDAsync_v2")
+    result = gpu_restore.measure(alloc, same, pages=6, page_bytes=PAGE, rounds=2)
+    assert result["bytes"] == gpu_restore.RANKS * 6 * PAGE
+    assert result["restore_s"] > 0 and result["raw_h2d_s"] > 0 and result["ratio"] > 0
+    assert result["target"] == 0.8
+    restored = made[gpu_restore.RANKS :]
+    assert all((t.array[1:] == 1).all() for t in restored), "the raw copies did not run"
+    assert all(not t.array[0].any() for t in restored), "row 0 (the null page) was written"
+    # Restores (3 rounds x 4 ranks, at least a copy each) and raw copies
+    # (3 rounds x 4 ranks) went through the driver's H2D copy.
+    assert fake.calls("cuMemcpyHtoDAsync_v2") - copies_before >= 24
+    line = gpu_restore.report(result)
+    assert "raw cuMemcpyHtoDAsync" in line and "target >= 0.8" in line
+    assert fake.stat("violations") == 0
+    assert_released(fake, baseline)

@@ -367,6 +367,45 @@ fn a_producer_event_on_the_cpu_backend_is_invalid_input() {
     assert_eq!(stat(&svc, "store_leases"), 0);
 }
 
+/// Every job records its phases (no timing thresholds: only their structure).
+#[test]
+fn jobs_record_their_phases() {
+    let svc = service("xfer-phases");
+    let worker = Worker::in_process(&svc);
+    let m = tgen(170_000, 40, 1);
+    begin(&svc, &m);
+    let b = blocks(&m, 1);
+    fill_rows(&worker.pool, &m, 0, &b);
+    let store = worker.submit(job(&m, 0, Direction::Store, &b));
+    assert_eq!(done(&store), copied());
+    let restore = worker.submit(job(&m, 0, Direction::Retrieve, &b));
+    assert_eq!(done(&restore), copied());
+    for h in [&store, &restore] {
+        let p = h.phases();
+        let parts = [
+            p.queued, p.check, p.map, p.lease, p.plan, p.handoff, p.copy, p.finish,
+        ];
+        // The phases are consecutive laps of one clock that started at
+        // submit; the total is read when the job ends, after all of them.
+        assert!(
+            parts.iter().sum::<std::time::Duration>() <= p.total,
+            "{p:?}"
+        );
+        assert!(!p.total.is_zero(), "{p:?}");
+    }
+    // A job refused before its lease reaches no copy.
+    let never = tgen(171_000, 40, 1);
+    let h = worker.submit(job(&never, 0, Direction::Store, &blocks(&never, 1)));
+    assert_eq!(done(&h).kind, "miss");
+    let p = h.phases();
+    assert!(
+        p.copy.is_zero() && p.finish.is_zero() && p.handoff.is_zero(),
+        "{p:?}"
+    );
+    worker.engine.close(Some(HANG_GUARD)).unwrap();
+    assert_idle(&svc);
+}
+
 #[test]
 fn a_miss_copies_nothing() {
     let svc = service("xfer-miss");

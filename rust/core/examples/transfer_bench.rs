@@ -1,6 +1,7 @@
-//! Transfer-engine throughput (cpu backend) against a single-thread memcpy
-//! of the same bytes, measured in the same run (targets: ≥ 0.8 × with one
-//! copy thread, ≥ 1.5 × with two; `docs/design/README.md#performance-targets`).
+//! Transfer-engine throughput (cpu backend) against raw copies of the same
+//! bytes measured in the same run (targets: ≥ 0.85 × a one-thread memcpy
+//! with one copy thread; ≥ 0.9 × two raw memcpy threads — or one, where that
+//! is faster — with two; `docs/design/README.md#performance-targets`).
 //!
 //! ```text
 //! cargo run --release -p lmcache-rc-core --example transfer_bench [-- MIB]
@@ -194,8 +195,11 @@ fn main() {
         rate(m2),
         m1.as_secs_f64() / m2.as_secs_f64()
     );
+    // Two copy threads are measured against two raw threads, or one where
+    // that is faster (a memory-bound machine gains nothing from a second).
+    let m2 = m2.min(m1);
     for (workers, scattered, s, r) in figures {
-        let target = if workers == 1 { 0.8 } else { 1.5 };
+        let (target, base) = if workers == 1 { (0.85, m1) } else { (0.9, m2) };
         let rows = if scattered {
             "scattered "
         } else {
@@ -204,9 +208,9 @@ fn main() {
         println!(
             "  {rows} rows, {workers} copy thread(s): store {:8.1} MB/s ratio {:.3}, restore {:8.1} MB/s ratio {:.3} (target >= {target})",
             rate(s),
-            m1.as_secs_f64() / s.as_secs_f64(),
+            base.as_secs_f64() / s.as_secs_f64(),
             rate(r),
-            m1.as_secs_f64() / r.as_secs_f64()
+            base.as_secs_f64() / r.as_secs_f64()
         );
     }
     server.shutdown().expect("shutdown");

@@ -6,7 +6,11 @@
 //! service's admission timeout) runs on a thread of its own so that a
 //! pipelining client's other requests — e.g. the `finish_store` that frees
 //! the space — are never queued behind it; so does `find` when a shared
-//! tier is configured (it may wait up to the shared lookup timeout). Replies go out under a
+//! tier is configured (it may wait up to the shared lookup timeout). Those
+//! threads (`lmcache-rc-offload`) are kept for [`OFFLOAD_IDLE`] after their
+//! request and take the next one: starting a thread per store cost a
+//! pipelined store lease milliseconds while copies kept the cores busy
+//! (`transfer_breakdown` example). Replies go out under a
 //! per-connection write lock with a write timeout, so a client that stops
 //! reading loses its own connection and never blocks anyone else.
 //!
@@ -39,7 +43,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
@@ -59,6 +63,10 @@ const ACCEPT_POLL: Duration = Duration::from_millis(100);
 /// Most `prepare_store` calls running on threads of their own at once
 /// (beyond it they run on the connection's thread).
 const MAX_OFFLOADED: usize = 256;
+/// How long an offload thread waits for another request before it ends.
+const OFFLOAD_IDLE: Duration = Duration::from_secs(5);
+/// How often an idle offload thread checks for shutdown.
+const OFFLOAD_POLL: Duration = Duration::from_millis(100);
 /// A connection's frame buffer is released after a frame larger than this.
 const KEEP_BUFFER: usize = 64 << 10;
 /// Bytes of a connection's socket read buffer.
@@ -208,6 +216,10 @@ struct Shared {
     conns: Mutex<HashMap<u64, Registered>>,
     next_conn: AtomicU64,
     offloaded: AtomicUsize,
+    /// Requests waiting for an offload thread, and the threads.
+    offload: Mutex<OffloadQueue>,
+    /// Signals a queued request (or shutdown) to idle offload threads.
+    offload_ready: Condvar,
     requests: AtomicU64,
     protocol_errors: AtomicU64,
     connections_total: AtomicU64,
@@ -288,6 +300,8 @@ impl Server {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             offloaded: AtomicUsize::new(0),
+            offload: Mutex::new(OffloadQueue::default()),
+            offload_ready: Condvar::new(),
             requests: AtomicU64::new(0),
             protocol_errors: AtomicU64::new(0),
             connections_total: AtomicU64::new(0),
@@ -372,6 +386,7 @@ impl Server {
             log::warn!("shutting down with {live} live lease(s) after a {drain:?} drain");
         }
         shared.stopping.store(true, Ordering::SeqCst);
+        shared.offload_ready.notify_all();
         if let Some(accept) = self.accept.lock().take() {
             let _ = accept.join();
         }
@@ -388,7 +403,10 @@ impl Server {
         // service's admission timeout; wait for them (bounded) so the close
         // below sees their leases.
         let bound = Instant::now() + Duration::from_secs(10);
-        while shared.offloaded.load(Ordering::SeqCst) > 0 && Instant::now() < bound {
+        while (shared.offloaded.load(Ordering::SeqCst) > 0 || shared.offload.lock().threads > 0)
+            && Instant::now() < bound
+        {
+            shared.offload_ready.notify_all();
             std::thread::sleep(Duration::from_millis(5));
         }
         let live = live_leases(shared);
@@ -1055,25 +1073,34 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, r
     let name = request.name();
     if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
         let (s, c, h) = (shared.clone(), conn.clone(), holder.clone());
-        let job = move || {
+        let job: OffloadJob = Box::new(move || {
             let reply = run(&s, &h, request);
             c.send(&s, rid, &reply);
             s.offloaded.fetch_sub(1, Ordering::SeqCst);
-        };
+        });
+        let mut q = shared.offload.lock();
+        q.jobs.push_back(job);
+        if q.idle >= q.jobs.len() {
+            // An idle thread takes it (each idle thread takes one job).
+            drop(q);
+            shared.offload_ready.notify_one();
+            return;
+        }
+        q.threads += 1;
+        drop(q);
+        let s = shared.clone();
         let spawned = std::thread::Builder::new()
-            .name(format!("lmcache-rc-{name}"))
-            .spawn(job);
+            .name("lmcache-rc-offload".into())
+            .spawn(move || offload_loop(&s));
         if let Err(e) = spawned {
-            // The closure (and the request) went with the failed spawn.
-            shared.offloaded.fetch_sub(1, Ordering::SeqCst);
-            conn.send(
-                shared,
-                rid,
-                &Reply::error(
-                    ErrorKind::Unavailable,
-                    format!("the server cannot start a thread for {name}: {e}"),
-                ),
-            );
+            shared.offload.lock().threads -= 1;
+            // No thread for the queued job: run one queued job here, so
+            // that every queued job has a runner.
+            log::warn!("the server cannot start a thread for {name}: {e}; running it inline");
+            let job = shared.offload.lock().jobs.pop_front();
+            if let Some(job) = job {
+                job();
+            }
         }
         return;
     }
@@ -1082,6 +1109,43 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, r
     }
     let reply = run(shared, holder, request);
     conn.send(shared, rid, &reply);
+}
+
+/// A request handed to an offload thread (it sends its own reply).
+type OffloadJob = Box<dyn FnOnce() + Send>;
+
+/// Requests waiting for an offload thread.
+#[derive(Default)]
+struct OffloadQueue {
+    jobs: std::collections::VecDeque<OffloadJob>,
+    /// Threads waiting for a job.
+    idle: usize,
+    /// Offload threads alive.
+    threads: usize,
+}
+
+/// An offload thread: runs queued requests; ends after [`OFFLOAD_IDLE`]
+/// without one, or at shutdown once the queue is empty.
+fn offload_loop(shared: &Arc<Shared>) {
+    let mut q = shared.offload.lock();
+    let mut idle_since = Instant::now();
+    loop {
+        if let Some(job) = q.jobs.pop_front() {
+            drop(q);
+            // `run` turns a panic of the request into an error reply.
+            job();
+            q = shared.offload.lock();
+            idle_since = Instant::now();
+            continue;
+        }
+        if shared.stopping.load(Ordering::SeqCst) || idle_since.elapsed() >= OFFLOAD_IDLE {
+            q.threads -= 1;
+            return;
+        }
+        q.idle += 1;
+        shared.offload_ready.wait_for(&mut q, OFFLOAD_POLL);
+        q.idle -= 1;
+    }
 }
 
 /// Executes one request; a panic becomes an `Internal` error reply (I9).

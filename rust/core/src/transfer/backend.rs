@@ -189,6 +189,12 @@ fn check_buffers(bases: &[*mut u8], layout: &PageLayout) -> Result<()> {
 /// Copies below this size go through `memcpy`; larger ones stream.
 const STREAM_MIN: usize = 16 * 1024;
 
+/// The streaming copy moves blocks of [`INTERLEAVE`] pages of this size,
+/// one cache line of each page in turn.
+const INTERLEAVE_PAGE: usize = 4096;
+/// Pages copied side by side (see [`stream_copy`]).
+const INTERLEAVE: usize = 4;
+
 /// Copies `len` bytes from `src` to `dst` (non-overlapping).
 ///
 /// Large copies use non-temporal (streaming) stores on x86-64: page copies
@@ -213,23 +219,98 @@ unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
-/// SSE2 (baseline on x86-64) streaming copy: unaligned 16-byte loads,
-/// aligned non-temporal 16-byte stores, then a store fence.
+/// Streaming copy: aligns `dst` to a cache line, then copies blocks of
+/// [`INTERLEAVE`] × 4 KiB one cache line of each page in turn (with the
+/// next block's lines prefetched) with SSE2 non-temporal stores, then the
+/// tail linearly, then a store fence. Copying four pages side by side keeps
+/// four DRAM streams open, as glibc's large-copy path does: measured on the
+/// 2-core CI VM (Intel Xeon, 4 KiB shared-memory pages), 16 MiB runs went
+/// from ~8.6 GB/s (one linear stream) to ~11.3–11.8 GB/s, against
+/// ~12.7 GB/s for a 256 MiB glibc memcpy. (AVX2 stores measured the same;
+/// AVX-512 ones ~4 % faster, but their intrinsics need Rust 1.89.)
 ///
 /// # Safety
 ///
 /// As [`copy_bytes`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    // Bytes until `dst` is 16-byte aligned (streaming stores need it).
-    let head = dst.align_offset(16).min(len);
+    use std::arch::x86_64::_mm_sfence;
+    // Bytes until `dst` is 64-byte aligned (full-line streaming stores).
+    let head = dst.align_offset(64).min(len);
     // SAFETY: `head <= len`, so both ranges are inside the caller's buffers.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let mut off = head;
+    // SAFETY: `head <= len`: both pointers stay inside (or one past) the
+    // caller's buffers.
+    let (d, s, n) = unsafe { (dst.add(head), src.add(head), len - head) };
+    let block = INTERLEAVE * INTERLEAVE_PAGE;
+    let blocks = n / block;
+    // SAFETY: `blocks * block <= n` bytes from `s` / `d` lie inside the
+    // caller's buffers; `d` is 64-byte aligned.
+    unsafe { stream_blocks_sse2(d, s, blocks) };
+    let done = blocks * block;
+    // SAFETY: `done <= n`; the rest lies inside the caller's buffers and
+    // `d + done` is 64-byte aligned (a multiple of the block size past `d`).
+    unsafe { stream_linear_sse2(d.add(done), s.add(done), n - done) };
+    // Streaming stores are weakly ordered: make them visible before the
+    // lease is finished (which tells another process to read them).
+    // SAFETY: SSE is part of the x86-64 baseline.
+    unsafe { _mm_sfence() };
+}
+
+/// `blocks` interleaved blocks with SSE2 (the x86-64 baseline), 64 bytes
+/// (one cache line) of each page in turn.
+///
+/// # Safety
+///
+/// `blocks * INTERLEAVE * INTERLEAVE_PAGE` bytes readable at `src` and
+/// writable at `dst` (16-byte aligned), not overlapping.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
+    use std::arch::x86_64::{
+        __m128i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm_stream_si128,
+    };
+    let block = INTERLEAVE * INTERLEAVE_PAGE;
+    for b in 0..blocks {
+        for line in (0..INTERLEAVE_PAGE).step_by(64) {
+            for page in 0..INTERLEAVE {
+                let off = b * block + page * INTERLEAVE_PAGE + line;
+                // SAFETY: `off + 64 <= blocks * block`, inside both buffers
+                // (caller's contract); `dst + off` is 16-byte aligned
+                // (`dst` is, and `off` is a multiple of 64), as
+                // `_mm_stream_si128` requires; loads take any alignment. A
+                // prefetch never faults, and its address is computed with
+                // wrapping arithmetic (it may point past the buffer).
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
+                    let s = src.add(off) as *const __m128i;
+                    let d = dst.add(off) as *mut __m128i;
+                    let x0 = _mm_loadu_si128(s);
+                    let x1 = _mm_loadu_si128(s.add(1));
+                    let x2 = _mm_loadu_si128(s.add(2));
+                    let x3 = _mm_loadu_si128(s.add(3));
+                    _mm_stream_si128(d, x0);
+                    _mm_stream_si128(d.add(1), x1);
+                    _mm_stream_si128(d.add(2), x2);
+                    _mm_stream_si128(d.add(3), x3);
+                }
+            }
+        }
+    }
+}
+
+/// A linear SSE2 streaming copy of `len` bytes (the tail after the blocks);
+/// the last `len % 64` bytes through `memcpy`. No fence (the caller's).
+///
+/// # Safety
+///
+/// As [`copy_bytes`], with `dst` 16-byte aligned.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_linear_sse2(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    let mut off = 0;
     // SAFETY: each iteration reads and writes 64 bytes at `off` with
     // `off + 64 <= len`, inside both buffers; `dst + off` is 16-byte aligned
-    // (head alignment plus multiples of 16), as `_mm_stream_si128` requires;
+    // (`dst` is, `off` a multiple of 64), as `_mm_stream_si128` requires;
     // `_mm_loadu_si128` accepts any alignment. SSE2 is part of the x86-64
     // baseline, so the intrinsics are always available.
     unsafe {
@@ -246,9 +327,6 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
             _mm_stream_si128(d.add(3), e);
             off += 64;
         }
-        // Streaming stores are weakly ordered: make them visible before the
-        // lease is finished (which tells another process to read them).
-        _mm_sfence();
         std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), len - off);
     }
 }
@@ -452,6 +530,9 @@ mod tests {
             (5, 0, STREAM_MIN + 65),
             (0, 9, 65_536),
             (17, 33, 69_000),
+            (0, 0, 4 * 16_384),
+            (3, 64, 3 * 16_384 + 4_097),
+            (64, 1, 16_384 + 63),
         ] {
             let mut dst = vec![0xAAu8; 70_100];
             // SAFETY: both ranges lie inside their vectors; they are distinct.
@@ -472,6 +553,21 @@ mod tests {
                 "wrote past the range"
             );
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_sse2_block_kernel_is_exact() {
+        let block = INTERLEAVE * INTERLEAVE_PAGE;
+        let src: Vec<u8> = (0..3 * block + 64).map(|i| (i * 13 % 251) as u8).collect();
+        let mut dst = vec![0u8; 3 * block + 128];
+        let at = dst.as_ptr().align_offset(64);
+        // SAFETY: 3 blocks from `src` and from the aligned start of `dst`
+        // lie inside both vectors; they are distinct.
+        unsafe { stream_blocks_sse2(dst.as_mut_ptr().add(at), src.as_ptr(), 3) };
+        assert_eq!(&dst[at..at + 3 * block], &src[..3 * block]);
+        assert!(dst[..at].iter().all(|&b| b == 0));
+        assert!(dst[at + 3 * block..].iter().all(|&b| b == 0));
     }
 
     #[test]

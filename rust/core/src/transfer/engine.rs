@@ -136,10 +136,37 @@ impl Outcome {
     }
 }
 
-#[derive(Default)]
+/// Where one job's time went (`lmcache-rc bench --breakdown`, the
+/// `transfer_breakdown` example): wall time per phase of the job's life,
+/// zero for a phase it did not reach. Recorded with a clock read per phase
+/// boundary; nothing else is done for it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobPhases {
+    /// Submitted → taken by a lease thread (admission queue).
+    pub queued: Duration,
+    /// Step 1: payload parse and the block-id checks ([`plan::check_job`]).
+    pub check: Duration,
+    /// Step 2: the pool mapping (a pool-id comparison when already mapped).
+    pub map: Duration,
+    /// Step 3: the lease RPCs (prepare_store, or begin_retrieve and polls).
+    pub lease: Duration,
+    /// Step 4: the lease validated against the pool ([`plan::plan_copy`]).
+    pub plan: Duration,
+    /// Leased → taken by a copy thread (the copy threads were busy).
+    pub handoff: Duration,
+    /// Step 5: the copy itself.
+    pub copy: Duration,
+    /// Step 6: the finish RPC (store: completion and publication).
+    pub finish: Duration,
+    /// Submitted → ended.
+    pub total: Duration,
+}
+
 struct HandleState {
     outcome: Mutex<Option<Outcome>>,
     done: Condvar,
+    submitted: Instant,
+    phases: Mutex<JobPhases>,
 }
 
 /// The future of a submitted job; cheap to clone.
@@ -174,7 +201,30 @@ impl JobHandle {
         self.0.outcome.lock().as_ref().map(f)
     }
 
+    /// Where the job's time went so far (complete once it ended).
+    pub fn phases(&self) -> JobPhases {
+        *self.0.phases.lock()
+    }
+
+    fn new() -> JobHandle {
+        JobHandle(Arc::new(HandleState {
+            outcome: Mutex::new(None),
+            done: Condvar::new(),
+            submitted: Instant::now(),
+            phases: Mutex::new(JobPhases::default()),
+        }))
+    }
+
+    /// Adds the time since `*since` to the phase `pick` selects and restarts
+    /// the clock.
+    fn lap(&self, since: &mut Instant, pick: fn(&mut JobPhases) -> &mut Duration) {
+        let now = Instant::now();
+        *pick(&mut self.0.phases.lock()) += now - *since;
+        *since = now;
+    }
+
     fn finish(&self, outcome: Outcome) {
+        self.0.phases.lock().total = self.0.submitted.elapsed();
         *self.0.outcome.lock() = Some(outcome);
         self.0.done.notify_all();
     }
@@ -205,7 +255,8 @@ struct Leased {
 /// slots are held than the copies can use.
 struct Queue {
     jobs: VecDeque<(Job, JobHandle)>,
-    ready: VecDeque<(Job, JobHandle, Leased)>,
+    /// Leased jobs, with when their lease was ready (for [`JobPhases::handoff`]).
+    ready: VecDeque<(Job, JobHandle, Leased, Instant)>,
     /// Jobs a lease thread is working on.
     leasing: usize,
     admitted: usize,
@@ -297,6 +348,9 @@ pub struct EngineStats {
     pub mappings: u64,
     /// Whether the engine is unsafe.
     pub is_unsafe: bool,
+    /// Which pages back the mapped shared-memory pool
+    /// ([`ShmPool::page_size_status`]); None before the first mapping.
+    pub shm_pages: Option<String>,
 }
 
 /// Background copies between a worker's page pool and the sidecar's shared
@@ -400,7 +454,7 @@ impl TransferEngine {
             return Ok(None);
         }
         q.claim_blocks(&job)?;
-        let handle = JobHandle(Arc::new(HandleState::default()));
+        let handle = JobHandle::new();
         q.admitted += 1;
         q.jobs.push_back((job, handle.clone()));
         drop(q);
@@ -434,6 +488,13 @@ impl TransferEngine {
             in_flight: self.in_flight(),
             mappings: *self.inner.remaps.lock(),
             is_unsafe: self.is_unsafe(),
+            // Read outside the lock (it parses /proc/self/smaps).
+            shm_pages: self
+                .inner
+                .mapping
+                .lock()
+                .clone()
+                .map(|m| m.pool.page_size_status()),
         }
     }
 
@@ -558,13 +619,16 @@ impl Inner {
                 }
             };
             let Some((job, handle)) = next else { return };
-            let staged =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.acquire(&job)))
-                    .unwrap_or_else(|_| Err(self.turn_unsafe("a transfer thread panicked".into())));
+            let mut clock = handle.0.submitted;
+            handle.lap(&mut clock, |p| &mut p.queued);
+            let staged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.acquire(&job, &handle, &mut clock)
+            }))
+            .unwrap_or_else(|_| Err(self.turn_unsafe("a transfer thread panicked".into())));
             let mut q = self.queue.lock();
             q.leasing -= 1;
             match staged {
-                Ok(leased) => q.ready.push_back((job, handle, leased)),
+                Ok(leased) => q.ready.push_back((job, handle, leased, clock)),
                 Err(outcome) => {
                     drop(q);
                     self.complete(&job, &handle, outcome);
@@ -591,12 +655,13 @@ impl Inner {
                     self.changed.wait(&mut q);
                 }
             };
-            let Some((job, handle, leased)) = next else {
+            let Some((job, handle, leased, mut clock)) = next else {
                 return;
             };
             self.changed.notify_all();
+            handle.lap(&mut clock, |p| &mut p.handoff);
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.transfer(&job, leased)
+                self.transfer(&job, &handle, leased, &mut clock)
             }))
             .unwrap_or_else(|_| self.turn_unsafe("a copy thread panicked during a copy".into()));
             self.complete(&job, &handle, outcome);
@@ -807,7 +872,12 @@ impl Inner {
 
     /// Checks, maps, leases and validates: a lease ready to copy, or how the
     /// job ended without copying.
-    fn acquire(&self, job: &Job) -> std::result::Result<Leased, Outcome> {
+    fn acquire(
+        &self,
+        job: &Job,
+        handle: &JobHandle,
+        clock: &mut Instant,
+    ) -> std::result::Result<Leased, Outcome> {
         if let Some(reason) = self.unsafe_reason.lock().clone() {
             // Admitted before the engine turned unsafe: start nothing new.
             return Err(Outcome::Failed(Error::UnsafeCopy(format!(
@@ -815,12 +885,17 @@ impl Inner {
             ))));
         }
         let (schema, groups) = self.check(job).map_err(Outcome::Failed)?;
+        handle.lap(clock, |p| &mut p.check);
         let mapped = self.mapped().map_err(Outcome::Failed)?;
+        handle.lap(clock, |p| &mut p.map);
         let (lease, lease_id) = match job.direction {
             Direction::Store => self.lease_store(job)?,
             Direction::Retrieve => self.lease_retrieve(job)?,
         };
-        match self.checked_plan(job, &schema, &groups, &lease, &mapped) {
+        handle.lap(clock, |p| &mut p.lease);
+        let planned = self.checked_plan(job, &schema, &groups, &lease, &mapped);
+        handle.lap(clock, |p| &mut p.plan);
+        match planned {
             Ok(plan) => Ok(Leased {
                 lease_id,
                 plan,
@@ -849,13 +924,21 @@ impl Inner {
     }
 
     /// Copies a leased job and finishes its lease.
-    fn transfer(&self, job: &Job, leased: Leased) -> Outcome {
+    fn transfer(
+        &self,
+        job: &Job,
+        handle: &JobHandle,
+        leased: Leased,
+        clock: &mut Instant,
+    ) -> Outcome {
         let Leased {
             lease_id,
             plan,
             mapped,
         } = leased;
-        match self.backend.copy(&plan, &mapped.pool, job.producer_event) {
+        let copied = self.backend.copy(&plan, &mapped.pool, job.producer_event);
+        handle.lap(clock, |p| &mut p.copy);
+        match copied {
             Ok(()) => {}
             Err(CopyFailure::Recoverable(e)) => return self.release(job, &lease_id, e),
             Err(CopyFailure::InFlight(r)) => {
@@ -873,7 +956,9 @@ impl Inner {
             },
             Direction::Retrieve => LeaseCall::FinishRetrieve { lease_id, rank },
         };
-        match self.finish(call) {
+        let finished = self.finish(call);
+        handle.lap(clock, |p| &mut p.finish);
+        match finished {
             Ok(()) => Outcome::Copied,
             Err(o) => o,
         }

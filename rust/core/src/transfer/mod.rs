@@ -55,7 +55,7 @@ mod sidecar;
 pub use backend::{
     CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, copy_runs,
 };
-pub use engine::{EngineConfig, EngineStats, Job, JobHandle, Outcome, TransferEngine};
+pub use engine::{EngineConfig, EngineStats, Job, JobHandle, JobPhases, Outcome, TransferEngine};
 pub use layout::{GroupLayout, PageLayout, PoolShape, RegionTemplate};
 pub use plan::{CopyPlan, Direction, PageCopy};
 pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, PoolSource, ReplyHandle};
