@@ -45,16 +45,20 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_de
       f"Python {sys.version.split()[0]}")
 PYCHECK
 
-venv=$(mktemp -d)/venv
-"$PY" -m venv --system-site-packages "$venv"
-"$venv/bin/python" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
+# The wheel goes into a throw-away folder on PYTHONPATH, in front of what
+# the interpreter has (a venv with --system-site-packages would not see the
+# packages of an interpreter that is itself a venv, as torch images often are).
+site=$(mktemp -d)/site
+"$PY" -m pip install --quiet --no-deps --no-index --target "$site" "$wheel"
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 cd tests_py  # import the installed wheel, not the source tree
-if "$venv/bin/python" -c "import pytest" 2>/dev/null; then
-  timeout 300 "$venv/bin/python" -m pytest test_gpu_transfer.py -m gpu -q -s -p no:cacheprovider \
+"$PY" -c "import lmcache_rc, sys; assert '$site' in lmcache_rc.__file__, lmcache_rc.__file__"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout 300 "$PY" -m pytest test_gpu_transfer.py -m gpu -q -s -p no:cacheprovider \
     -o addopts="" --rootdir=. --noconftest
 else
   echo "(pytest not installed: running the gpu tests as a script)"
-  timeout 300 "$venv/bin/python" test_gpu_transfer.py
+  timeout 300 "$PY" test_gpu_transfer.py
 fi
 echo "== restore of a 505 MB TP4 checkpoint from L1 into device memory vs raw cuMemcpyHtoDAsync"
-timeout 180 "$venv/bin/python" gpu_restore.py
+timeout 180 "$PY" gpu_restore.py

@@ -126,6 +126,8 @@ def test_a_failed_copy_is_false_and_the_engine_stays_usable(server: Any) -> None
         engine._inject_fault("fail")
         f = engine.submit(m, 0, "STORE", block_layout(m, 1))
         assert f is not None and f.result(60) is False and not engine.is_unsafe
+        # a failed store aborted its generation: the scheduler begins it again
+        assert client.begin(m)
         f = engine.submit(m, 0, "STORE", block_layout(m, 1))
         assert f is not None and f.result(60) is True
         assert client.status()["store_leases"] == 0
