@@ -5,8 +5,8 @@
 #     bash ci/gpu-check.sh --build        # -> target/wheels/lmcache_rc-*.whl
 # then on the GPU machine, from a checkout that carries target/wheels:
 #     bash ci/gpu-check.sh
-# It installs the wheel into a throw-away virtual environment that sees the
-# system's torch and numpy, runs the gpu-marked tests (GPU -> SHM -> GPU
+# It installs the wheel into a throw-away folder put on PYTHONPATH in front of
+# the interpreter's own packages (torch, numpy), runs the gpu-marked tests (GPU -> SHM -> GPU
 # round trip byte-exact for a 2-D pool and for region pages over several
 # tensors with copies in parallel, producer-event ordering, a failed copy
 # reported False, bandwidth against torch pinned-memory copies) and prints
