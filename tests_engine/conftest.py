@@ -223,13 +223,69 @@ def _run(result: dict[str, Any], stderr: str) -> EngineRun:
     )
 
 
+LEAK_GRACE = 20.0
+"""Seconds an ended engine's own processes (vLLM's engine core and workers)
+may take to exit before the test counts them as leaked."""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_engine(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILLs an engine process and every process it started (its own
+    process group: vLLM's engine core and workers would outlive the front
+    end killed alone, each holding its model and KV cache)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 class Engines:
-    """Starts engine processes for one test (each a fresh process)."""
+    """Starts engine processes for one test (each a fresh process, the
+    leader of a process group of its own, so that the test can kill an
+    engine whole and check that none outlives it)."""
 
     def __init__(self, tmp_path: Path, model_dirs: dict[str, Path]) -> None:
         self.tmp = tmp_path
         self.model_dirs = model_dirs
         self.count = 0
+        self.groups: list[int] = []
+
+    def popen(self, path: Path, **kw: Any) -> subprocess.Popen[str]:
+        """An engine process for the spec at ``path``, in a new session."""
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "engine_turn.py"), str(path)],
+            env=engine_env(),
+            text=True,
+            start_new_session=True,
+            **kw,
+        )
+        self.groups.append(proc.pid)
+        return proc
+
+    def leaked(self) -> list[int]:
+        """Process groups of this test's engines still alive after a grace
+        period; they are killed."""
+        deadline = time.monotonic() + LEAK_GRACE
+        alive = [g for g in self.groups if _group_alive(g)]
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [g for g in alive if _group_alive(g)]
+        for g in alive:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return alive
 
     def spec(
         self,
@@ -275,32 +331,25 @@ class Engines:
     def run(self, family: str, batches: list[list[list[int]]], **kw: Any) -> EngineRun:
         """Runs an engine process to its end (it exits right after its last batch)."""
         path = self._write(self.spec(family, batches, **kw))
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "engine_turn.py"), str(path)],
-            env=engine_env(),
-            capture_output=True,
-            text=True,
-            timeout=ENGINE_TIMEOUT,
-        )
-        result = _parse(proc.stdout)
+        proc = self.popen(path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            stdout, stderr = proc.communicate(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            kill_engine(proc)
+            raise AssertionError(f"engine process ran past {ENGINE_TIMEOUT:.0f} s") from None
+        result = _parse(stdout)
         if proc.returncode != 0 or result is None:
             raise AssertionError(
-                f"engine process failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                f"{proc.stderr[-6000:]}"
+                f"engine process failed (exit {proc.returncode}):\n{stdout[-3000:]}\n"
+                f"{stderr[-6000:]}"
             )
-        return _run(result, proc.stderr)
+        return _run(result, stderr)
 
     def start(self, family: str, batches: list[list[list[int]]], **kw: Any) -> EngineRun:
         """Starts an engine process that stays alive ``idle`` seconds after its
         result (returned as soon as it is printed); the caller kills it."""
         path = self._write(self.spec(family, batches, **kw))
-        proc = subprocess.Popen(
-            [sys.executable, str(HERE / "engine_turn.py"), str(path)],
-            env=engine_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        proc = self.popen(path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert proc.stdout is not None
         deadline = time.monotonic() + ENGINE_TIMEOUT
         for line in proc.stdout:
@@ -310,7 +359,7 @@ class Engines:
                 return run
             if time.monotonic() > deadline:
                 break
-        proc.kill()
+        kill_engine(proc)
         raise AssertionError(f"engine process ended without a result (exit {proc.wait()})")
 
 
@@ -352,19 +401,19 @@ def start_gated(
     """Starts an engine process that pauses between batches."""
     path = engines._write(engines.spec(family, batches, gated=True, **kw))
     with open(f"{path}.stderr", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(HERE / "engine_turn.py"), str(path)],
-            env=engine_env(),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
+        proc = engines.popen(path, stdout=subprocess.PIPE, stderr=err)
     return GatedEngine(proc, path)
 
 
 @pytest.fixture
-def engines(tmp_path: Path, model_dirs: dict[str, Path]) -> Engines:
-    return Engines(tmp_path, model_dirs)
+def engines(tmp_path: Path, model_dirs: dict[str, Path]) -> Iterator[Engines]:
+    """The test's engines; afterwards, none of their processes may be left
+    (an engine that ended, or that the test killed, takes vLLM's engine core
+    and workers with it)."""
+    eng = Engines(tmp_path, model_dirs)
+    yield eng
+    leaked = eng.leaked()
+    assert not leaked, f"engine process groups outlived the test (now killed): {leaked}"
 
 
 class Transcript:

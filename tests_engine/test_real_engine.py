@@ -16,7 +16,15 @@ import time
 from typing import Any
 
 import pytest
-from conftest import EngineRun, Engines, Sidecar, Transcript, longest_stored, start_gated
+from conftest import (
+    EngineRun,
+    Engines,
+    Sidecar,
+    Transcript,
+    kill_engine,
+    longest_stored,
+    start_gated,
+)
 from scenarios import (
     IDENTITY_FAMILIES,
     MODES,
@@ -246,8 +254,7 @@ def test_idle_engine_publishes_its_response_checkpoint(
         log_run(transcript, f"{mode}: while idle", after)
         assert after.turns[0].cached == n
     finally:
-        run.proc.kill()
-        run.proc.wait()
+        kill_engine(run.proc)
 
 
 @pytest.mark.parametrize("family", IDENTITY_FAMILIES[:1])
@@ -266,5 +273,4 @@ def test_idle_in_process_engine_without_hand_over_keeps_the_store_pending(
     try:
         assert not wait_listed(sidecar, len(prompt) + OUT - 1, 5)
     finally:
-        run.proc.kill()
-        run.proc.wait()
+        kill_engine(run.proc)
