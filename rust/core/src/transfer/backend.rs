@@ -266,9 +266,7 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize) {
 /// writable at `dst` (16-byte aligned), not overlapping.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
-    use std::arch::x86_64::{
-        __m128i, _MM_HINT_T0, _mm_loadu_si128, _mm_prefetch, _mm_stream_si128,
-    };
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
     let block = INTERLEAVE * INTERLEAVE_PAGE;
     for b in 0..blocks {
         for line in (0..INTERLEAVE_PAGE).step_by(64) {
@@ -282,19 +280,37 @@ unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
                 // wrapping arithmetic (it may point past the buffer).
                 unsafe {
                     _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
-                    let s = src.add(off) as *const __m128i;
-                    let d = dst.add(off) as *mut __m128i;
-                    let x0 = _mm_loadu_si128(s);
-                    let x1 = _mm_loadu_si128(s.add(1));
-                    let x2 = _mm_loadu_si128(s.add(2));
-                    let x3 = _mm_loadu_si128(s.add(3));
-                    _mm_stream_si128(d, x0);
-                    _mm_stream_si128(d.add(1), x1);
-                    _mm_stream_si128(d.add(2), x2);
-                    _mm_stream_si128(d.add(3), x3);
+                    stream_line_sse2(dst.add(off), src.add(off));
                 }
             }
         }
+    }
+}
+
+/// One 64-byte line: four unaligned 16-byte loads, four non-temporal stores.
+///
+/// # Safety
+///
+/// 64 bytes readable at `src` and writable at `dst` (16-byte aligned), not
+/// overlapping. SSE2 is part of the x86-64 baseline.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn stream_line_sse2(dst: *mut u8, src: *const u8) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    let s = src as *const __m128i;
+    let d = dst as *mut __m128i;
+    // SAFETY: the caller's contract: 64 bytes at both pointers, `dst`
+    // 16-byte aligned as `_mm_stream_si128` requires; loads take any
+    // alignment.
+    unsafe {
+        let x0 = _mm_loadu_si128(s);
+        let x1 = _mm_loadu_si128(s.add(1));
+        let x2 = _mm_loadu_si128(s.add(2));
+        let x3 = _mm_loadu_si128(s.add(3));
+        _mm_stream_si128(d, x0);
+        _mm_stream_si128(d.add(1), x1);
+        _mm_stream_si128(d.add(2), x2);
+        _mm_stream_si128(d.add(3), x3);
     }
 }
 
@@ -306,7 +322,6 @@ unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
 /// As [`copy_bytes`], with `dst` 16-byte aligned.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_linear_sse2(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let mut off = 0;
     // SAFETY: each iteration reads and writes 64 bytes at `off` with
     // `off + 64 <= len`, inside both buffers; `dst + off` is 16-byte aligned
@@ -315,16 +330,7 @@ unsafe fn stream_linear_sse2(dst: *mut u8, src: *const u8, len: usize) {
     // baseline, so the intrinsics are always available.
     unsafe {
         while off + 64 <= len {
-            let s = src.add(off) as *const __m128i;
-            let d = dst.add(off) as *mut __m128i;
-            let a = _mm_loadu_si128(s);
-            let b = _mm_loadu_si128(s.add(1));
-            let c = _mm_loadu_si128(s.add(2));
-            let e = _mm_loadu_si128(s.add(3));
-            _mm_stream_si128(d, a);
-            _mm_stream_si128(d.add(1), b);
-            _mm_stream_si128(d.add(2), c);
-            _mm_stream_si128(d.add(3), e);
+            stream_line_sse2(dst.add(off), src.add(off));
             off += 64;
         }
         std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), len - off);
