@@ -559,12 +559,19 @@ impl Directory {
                 ) && path.is_some_and(schema::disk_full) =>
             {
                 let p = path.unwrap_or(Path::new(""));
-                let conn = schema::open_read_only(p)?;
+                let (conn, source) = schema::open_read_only(p)?;
                 let why = format!(
                     "the disk holding the checkpoint index {} is full ({e})",
                     p.display()
                 );
-                log::warn!("{why}: the directory is open read-only until space returns");
+                let from = match source {
+                    schema::ReadOnlySource::File => "",
+                    schema::ReadOnlySource::MemoryCopy => {
+                        " (the commits its write-ahead log held are read from a merged copy \
+                         in memory)"
+                    }
+                };
+                log::warn!("{why}: the directory is open read-only until space returns{from}");
                 (conn, schema::Reconciled::default(), Some(why))
             }
             Err(e) => return Err(e),
@@ -1839,9 +1846,7 @@ impl Inner {
         self.dirty.clear();
         self.dirty_since = None;
         let closed = match self.conn.take() {
-            Some(conn) => conn
-                .close()
-                .map_err(|(_, e)| Error::Database(e.to_string())),
+            Some(conn) => conn.close().map_err(|(_, e)| schema::db_error(e)),
             None => Ok(()),
         };
         flushed.map(|_| ())?;

@@ -61,7 +61,18 @@ pub(super) trait OrDb<T> {
 
 impl<T> OrDb<T> for rusqlite::Result<T> {
     fn db(self) -> Result<T> {
-        self.map_err(|e| Error::Database(e.to_string()))
+        self.map_err(db_error)
+    }
+}
+
+/// A SQLite error as ours: `SQLITE_FULL` (the disk holding the index is
+/// full) is [`Error::OutOfSpace`], so callers see the one typed error every
+/// tier raises for a full disk; anything else is [`Error::Database`].
+pub(super) fn db_error(e: rusqlite::Error) -> Error {
+    if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+        Error::OutOfSpace(format!("checkpoint directory: {e}"))
+    } else {
+        Error::Database(e.to_string())
     }
 }
 
@@ -366,6 +377,7 @@ fn open_error(name: &str) -> impl Fn(rusqlite::Error) -> Error + '_ {
         Some(rusqlite::ErrorCode::NotADatabase) => Error::UnsupportedFormat(format!(
             "checkpoint directory {name} is not a SQLite database or is corrupt: {e}"
         )),
+        Some(rusqlite::ErrorCode::DiskFull) => Error::OutOfSpace(format!("{name}: {e}")),
         _ => Error::Database(format!("{name}: {e}")),
     }
 }
@@ -699,31 +711,129 @@ fn file_uri(path: &Path, query: &str) -> Result<String> {
     Ok(uri)
 }
 
+/// Where [`open_read_only`] read the directory from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ReadOnlySource {
+    /// The database file alone (its write-ahead log was empty).
+    File,
+    /// A copy of the database file and its write-ahead log in memory
+    /// (`/dev/shm`), the log merged there: the commits a killed sidecar left
+    /// in the log are served although the full disk has no room to merge
+    /// them (or to create the log's index) in place.
+    MemoryCopy,
+}
+
 /// Opens an existing, current directory file read-only without writing a
-/// byte (no WAL index is created): for a disk too full to open it normally.
-/// The file's write-ahead log must be empty (a clean stop merged it), since
-/// such an open reads the database file alone; otherwise, or when the file
-/// needs an upgrade, it is refused with a message saying to free space.
-pub(super) fn open_read_only(path: &Path) -> Result<Connection> {
-    use rusqlite::OpenFlags;
+/// byte next to it: for a disk too full to open it normally. An empty
+/// write-ahead log (a clean stop merged it) is read from the database file
+/// alone; a log with commits (a killed sidecar) is merged into a private copy
+/// in memory and the copy is served (see [`ReadOnlySource::MemoryCopy`]). A
+/// file that needs an upgrade, or a copy that does not fit in memory, is
+/// refused with a message saying to free space.
+pub(super) fn open_read_only(path: &Path) -> Result<(Connection, ReadOnlySource)> {
     let name = describe(Some(path));
     check_header(path)?;
     private_files(path, false)?;
     let mut wal = path.as_os_str().to_owned();
     wal.push("-wal");
-    let wal_bytes = std::fs::metadata(Path::new(&wal)).map_or(0, |m| m.len());
-    if wal_bytes > 0 {
-        return Err(Error::OutOfSpace(format!(
-            "the disk holding {name} is full and its write-ahead log holds {wal_bytes} bytes \
-             of commits not yet merged; free some space to start"
-        )));
+    let wal = Path::new(&wal);
+    let wal_bytes = std::fs::metadata(wal).map_or(0, |m| m.len());
+    if wal_bytes == 0 {
+        return Ok((open_immutable(path, &name)?, ReadOnlySource::File));
     }
+    let copy = MemoryCopy::take(path, wal, &name, wal_bytes)?;
+    {
+        // Recovery and the merge run on the copy, in memory.
+        let merge = Connection::open(&copy.db).map_err(|e| {
+            Error::Database(format!("cannot open the in-memory copy of {name}: {e}"))
+        })?;
+        checkpoint_wal(&merge)?;
+    }
+    let conn = open_immutable(&copy.db, &name)?;
+    // The connection holds the copy's file open: its name can go now, so
+    // nothing is left behind in memory once the connection closes, whatever
+    // ends the process.
+    drop(copy);
+    Ok((conn, ReadOnlySource::MemoryCopy))
+}
+
+/// A private directory under `/dev/shm` holding copies of an index file and
+/// its write-ahead log (never the log's index); removed on drop.
+struct MemoryCopy {
+    dir: std::path::PathBuf,
+    db: std::path::PathBuf,
+}
+
+impl MemoryCopy {
+    fn take(path: &Path, wal: &Path, name: &str, wal_bytes: u64) -> Result<MemoryCopy> {
+        use std::os::unix::fs::DirBuilderExt as _;
+        let refuse = |why: String| {
+            Error::OutOfSpace(format!(
+                "the disk holding {name} is full and its write-ahead log holds {wal_bytes} bytes \
+                 of commits not yet merged, which cannot be merged in memory either ({why}); \
+                 free some space to start"
+            ))
+        };
+        let shm = Path::new("/dev/shm");
+        let db_bytes = std::fs::metadata(path).map_or(0, |m| m.len());
+        // The copy, and room for the merge to grow the database by the log.
+        let need = db_bytes
+            .saturating_add(wal_bytes.saturating_mul(2))
+            .saturating_add(1 << 20);
+        let free = rustix::fs::statvfs(shm)
+            .map(|v| v.f_bavail.saturating_mul(v.f_frsize.max(1)))
+            .map_err(|e| refuse(format!("/dev/shm: {e}")))?;
+        if free < need {
+            return Err(refuse(format!(
+                "/dev/shm has {free} bytes free, the copy needs {need}"
+            )));
+        }
+        let mut salt = [0u8; 8];
+        rustix::rand::getrandom(&mut salt, rustix::rand::GetRandomFlags::empty())
+            .map_err(|e| refuse(format!("getrandom: {e}")))?;
+        let dir = shm.join(format!(
+            "lmcache-rc-index-{}-{}",
+            std::process::id(),
+            hex::encode(salt)
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| refuse(format!("create {}: {e}", dir.display())))?;
+        let copy = MemoryCopy {
+            db: dir.join("index.sqlite"),
+            dir,
+        };
+        let mut wal_copy = copy.db.as_os_str().to_owned();
+        wal_copy.push("-wal");
+        std::fs::copy(path, &copy.db)
+            .and_then(|_| std::fs::copy(wal, Path::new(&wal_copy)))
+            .map_err(|e| refuse(format!("copy into {}: {e}", copy.dir.display())))?;
+        Ok(copy)
+    }
+}
+
+impl Drop for MemoryCopy {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            log::warn!(
+                "checkpoint directory: removing the in-memory copy {} failed: {e}",
+                self.dir.display()
+            );
+        }
+    }
+}
+
+/// The read-only, immutable open of a current directory file (no lock, no
+/// log, no byte written).
+fn open_immutable(path: &Path, name: &str) -> Result<Connection> {
+    use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
         | OpenFlags::SQLITE_OPEN_URI
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(file_uri(path, "mode=ro&immutable=1")?, flags)
         .map_err(|e| Error::Database(format!("cannot open {name} read-only: {e}")))?;
-    let version = check_version(&conn, &name)?;
+    let version = check_version(&conn, name)?;
     let current: bool = conn
         .query_row(
             "SELECT count(*) FROM pragma_table_info('checkpoint_tails') WHERE name = 'durable'",

@@ -306,11 +306,26 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
             );
             inner.deferred_retire.lock().extend(retire);
         } else {
-            log::warn!(
-                "start-up: retired {} generation(s) whose objects are missing or corrupt",
-                retire.len()
-            );
-            inner.dir.retire(&retire)?;
+            match inner.dir.retire(&retire) {
+                Ok(_) => log::warn!(
+                    "start-up: retired {} generation(s) whose objects are missing or corrupt",
+                    retire.len()
+                ),
+                // A full disk never fails the start: they are not served
+                // (never listed in memory) and retired once space returns.
+                Err(e @ Error::OutOfSpace(_)) => {
+                    log::warn!(
+                        "start-up: {} generation(s) whose objects are missing or corrupt are \
+                         not served; they are retired once space returns ({e})",
+                        retire.len()
+                    );
+                    inner.deferred_retire.lock().extend(retire);
+                    inner
+                        .upkeep
+                        .note_disk_full(format!("retiring incomplete generations failed: {e}"));
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
     if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only) {
@@ -336,6 +351,11 @@ pub(super) fn retire_deferred(inner: &std::sync::Arc<Inner>) {
         Err(e) => {
             log::warn!("retiring generations found incomplete at start-up failed: {e}");
             inner.deferred_retire.lock().extend(retire);
+            if matches!(e, Error::OutOfSpace(_)) {
+                inner.upkeep.note_disk_full(format!(
+                    "retiring generations found incomplete at start-up failed: {e}"
+                ));
+            }
         }
     }
 }

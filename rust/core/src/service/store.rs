@@ -391,10 +391,10 @@ pub(super) fn finish_store(
     Ok(publication.published)
 }
 
-/// Whether a directory error says the disk is full (SQLite's SQLITE_FULL).
+/// Whether a directory error says the disk is full (the directory maps
+/// SQLite's `SQLITE_FULL` to [`Error::OutOfSpace`]).
 fn is_disk_full(e: &Error) -> bool {
     matches!(e, Error::OutOfSpace(_))
-        || matches!(e, Error::Database(m) if m.contains("database or disk is full"))
 }
 
 /// Refuses a lease call that names another rank than the lease's.

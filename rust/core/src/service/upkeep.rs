@@ -245,5 +245,6 @@ fn probe_space(inner: &Arc<Inner>) {
         && inner.upkeep.space_returned()
     {
         inner.upkeep.clear_disk_full();
+        super::open::retire_deferred(inner);
     }
 }
