@@ -21,16 +21,15 @@ import rpc_helpers
 
 import lmcache_rc as rc
 from lmcache_rc import errors
-from lmcache_rc.connector import (
+from lmcache_rc.vllm.api import KVConnectorRole, SupportsHMA
+from lmcache_rc.vllm.connector import LMCacheRecurrentCheckpointConnector
+from lmcache_rc.vllm.identity import PRECISION_ENV_VARS, checkpoint_identity
+from lmcache_rc.vllm.options import (
     OPTION_DEFAULTS,
-    PRECISION_ENV_VARS,
     ConnectorOptions,
     InvalidConnectorConfig,
-    LMCacheRecurrentCheckpointConnector,
-    checkpoint_identity,
     parse_options,
 )
-from lmcache_rc.vllm_api import KVConnectorRole, SupportsHMA
 
 TARGET = "0123456789abcdef0123456789abcdef01234567"
 SOURCE = "89abcdef" * 8  # 64 hex digits

@@ -11,6 +11,10 @@ per rank: in the worker metadata, and for upstream restores also in vLLM's
 ``finished_recving`` / ``failed_recving`` (vLLM counts those across ranks
 before the blocks become a hit).
 
+"Each task once" is the rank's one :class:`lmcache_rc.worker.TaskLedger`,
+shared with its copy worker: a task delivered twice raises
+:class:`lmcache_rc.worker.DuplicateTask`, bound or not.
+
 What it must never do: report a task twice, let a task be lost without a
 result (a refused or failed submission is reported False), or turn an
 ``UnsafeCopy`` into a miss (it is fatal for the worker process).
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,13 +36,11 @@ from lmcache_rc.vllm.api import CheckpointEngineTask, KVCacheConfig
 from lmcache_rc.vllm.layout import UpstreamLayout, build_upstream_layout, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
+from lmcache_rc.worker import CheckpointWorker, TaskLedger
 
 __all__ = ["CopyWorker", "TransferResults", "WorkerSide", "default_worker_factory"]
 
 logger = logging.getLogger(__name__)
-
-SEEN_TASKS = 1 << 16
-"""Task ids remembered to refuse a second delivery."""
 
 
 class CopyWorker(Protocol):
@@ -70,11 +71,10 @@ class CopyWorker(Protocol):
 
 
 def default_worker_factory(socket_path: str, **kwargs: Any) -> CopyWorker:
-    """A :class:`lmcache_rc.worker.CheckpointWorker` (imported only in workers
-    that actually bind page memory)."""
-    module = importlib.import_module("lmcache_rc.worker")
-    worker: CopyWorker = module.CheckpointWorker(socket_path, **kwargs)
-    return worker
+    """A :class:`lmcache_rc.worker.CheckpointWorker` (the keyword arguments:
+    rank, world_size, layout, page_pool, workers, max_copies_in_flight,
+    rpc_timeout and the rank's ledger)."""
+    return CheckpointWorker(socket_path, **kwargs)
 
 
 @dataclass
@@ -105,7 +105,7 @@ class WorkerSide:
         self._layout: dict[str, Any] | None = None
         self._layout_reported = False
         self._cuda = False
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._ledger = TaskLedger()
         self._unsent: dict[str, bool] = {}
         self._unbound: list[str] = []
         self._events: dict[str, Any] = {}
@@ -166,8 +166,9 @@ class WorkerSide:
             layout=dict(layout),
             page_pool=page_pool,
             workers=self._options.copy_workers,
-            max_pending=self._options.max_copies_per_rank,
+            max_copies_in_flight=self._options.max_copies_per_rank,
             rpc_timeout=self._options.rpc_timeout,
+            ledger=self._ledger,
         )
         self._layout = dict(layout)
         self._layout_reported = False
@@ -227,7 +228,7 @@ class WorkerSide:
     def take(self, meta: Any, *, stores_later: bool) -> None:
         """Accept this step's tasks: restores (and, unless ``stores_later``,
         stores) are submitted now; upstream stores wait for :meth:`submit_stores`.
-        A task id seen twice is a RuntimeError."""
+        A task id delivered twice raises :class:`lmcache_rc.worker.DuplicateTask`."""
         if not isinstance(meta, CheckpointConnectorMetadata) or not meta.tasks:
             return
         for task in meta.tasks:
@@ -240,11 +241,7 @@ class WorkerSide:
             self._submit(task)
 
     def _see(self, task: CheckpointEngineTask) -> None:
-        if task.task_id in self._seen:
-            raise RuntimeError(f"checkpoint task {task.task_id} was delivered twice")
-        self._seen[task.task_id] = None
-        if len(self._seen) > SEEN_TASKS:
-            self._seen.popitem(last=False)
+        self._ledger.deliver(task.task_id)  # DuplicateTask on a second delivery
 
     def take_now(self, task: CheckpointEngineTask) -> None:
         """A store handed over by an idle or exiting engine (its bytes are final):
