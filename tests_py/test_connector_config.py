@@ -9,8 +9,10 @@ vLLM is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import typing
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +28,7 @@ from lmcache_rc.vllm.connector import LMCacheRecurrentCheckpointConnector
 from lmcache_rc.vllm.identity import PRECISION_ENV_VARS, checkpoint_identity
 from lmcache_rc.vllm.options import (
     OPTION_DEFAULTS,
+    OPTIONS,
     ConnectorOptions,
     InvalidConnectorConfig,
     parse_options,
@@ -230,6 +233,40 @@ def test_defaults() -> None:
     for name, default in OPTION_DEFAULTS.items():
         if default is not None:
             assert getattr(opts, name) == default, name
+
+
+def test_the_options_table_is_the_one_source_of_fields_types_and_defaults() -> None:
+    fields = {f.name: f for f in dataclasses.fields(ConnectorOptions)}
+    revisions = ["target_revision", "source_revision", "draft_revision"]
+    table = [o.name for o in OPTIONS if o.kind not in ("socket", "identity")]
+    assert list(fields) == ["socket", *revisions, *table]
+    hints = typing.get_type_hints(ConnectorOptions)
+    for option in OPTIONS:
+        if option.kind in ("socket", "identity"):
+            continue
+        assert hints[option.name] is option.type, option.name
+        assert fields[option.name].default == option.default, option.name
+        assert type(option.parse(option.default)) is option.type, option.name
+    # the engine and identity defaults are the core's, not copies
+    engine = rc.TransferEngine.defaults()
+    assert OPTION_DEFAULTS["copy_workers"] == engine["workers"]
+    assert OPTION_DEFAULTS["max_copies_per_rank"] == engine["max_copies_in_flight"]
+    assert OPTION_DEFAULTS["rpc_timeout"] == engine["rpc_timeout"]
+    assert OPTION_DEFAULTS["chunk_tokens"] == rc.TokenRoots.DEFAULT_CHUNK_TOKENS
+
+
+def test_the_docs_option_tables_are_generated_from_the_options_table() -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "ci" / "gen_option_docs.py"
+    spec = importlib.util.spec_from_file_location("gen_option_docs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    docs = module.TARGET.read_text()
+    assert module.render(docs) == docs, "run python ci/gen_option_docs.py"
+    for option in OPTIONS:
+        assert docs.count(f"| `lmcache_rc.{option.name}` | {option.shown_default()} |") == 2
 
 
 def test_max_copies_per_rank_is_read_without_a_warning() -> None:

@@ -56,6 +56,7 @@ from lmcache_rc.vllm.common import (
     recurrent_boundaries,
 )
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.vllm.options import OPTION_DEFAULTS
 from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
 
 __all__ = ["CheckpointSchedulerBridge"]
@@ -149,11 +150,11 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         *,
         identity: Mapping[str, Any],
         world_size: int,
-        chunk_tokens: int = 4096,
-        lookup_timeout: float = 60.0,
+        chunk_tokens: int = OPTION_DEFAULTS["chunk_tokens"],
+        lookup_timeout: float = OPTION_DEFAULTS["lookup_timeout"],
         begin_timeout: float | None = None,
-        max_lookup_attempts: int = 4,
-        max_tasks: int = 64,
+        max_lookup_attempts: int = OPTION_DEFAULTS["max_lookup_attempts"],
+        max_tasks: int = OPTION_DEFAULTS["max_tasks"],
         max_in_flight: int | None = None,
         task_timeout: float | None = None,
         layout_timeout: float | None = None,
