@@ -205,6 +205,31 @@ def test_class_is_concrete_hma_and_accepts_the_factory_keyword() -> None:
     assert cls.get_required_kvcache_layout(make_config(extra())) is None
 
 
+def test_no_hook_asks_the_mode_the_sides_are_chosen_at_bind_time() -> None:
+    # Only construction and the bind hooks decide the mode (and the fork's
+    # class-level capability query reads the option); every other hook
+    # delegates to the side objects chosen there.
+    deciders = {
+        "__init__",
+        "supports_request_boundary_checkpoints",
+        "bind_kv_cache_manager",
+        "bind_boundary_checkpoint_cache",
+        "bind_boundary_checkpoint_state",
+        "mode",
+    }
+    cls = LMCacheRecurrentCheckpointConnector
+    for name, member in vars(cls).items():
+        if name in deciders:
+            continue
+        target = member.fget if isinstance(member, property) else member
+        target = getattr(target, "__func__", target)
+        if not inspect.isfunction(target):
+            continue
+        source = inspect.getsource(target)
+        assert "_mode" not in source, f"{name} asks the mode"
+        assert "vllm_api" not in source, f"{name} asks the mode option"
+
+
 def test_module_imports_without_vllm_or_the_worker_module() -> None:
     import sys
 

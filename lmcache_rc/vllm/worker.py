@@ -1,5 +1,11 @@
 """The worker side of the connector (one instance per worker rank), both modes.
 
+The connector picks one side object when it is built and delegates every
+worker hook to it: :class:`WorkerHooks` (each hook's "nothing to do": a
+disabled connector, or the scheduler role), :class:`WorkerSide` (boundary
+mode, and ``auto`` until the fork's hook decides) or
+:class:`UpstreamWorkerSide`.
+
 What it owns: binding the rank's page memory to a copy worker
 (:class:`lmcache_rc.worker.CheckpointWorker`) — the fork's page pool in
 boundary mode, the regions of the per-layer KV caches in upstream mode
@@ -38,7 +44,14 @@ from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWork
 from lmcache_rc.vllm.options import ConnectorOptions
 from lmcache_rc.worker import CheckpointWorker, TaskLedger
 
-__all__ = ["CopyWorker", "TransferResults", "WorkerSide", "default_worker_factory"]
+__all__ = [
+    "CopyWorker",
+    "TransferResults",
+    "UpstreamWorkerSide",
+    "WorkerHooks",
+    "WorkerSide",
+    "default_worker_factory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +99,69 @@ class TransferResults:
     failed_recving: set[str]
 
 
-class WorkerSide:
-    """One rank's copy worker and the bookkeeping that makes every task end once."""
+class WorkerHooks:
+    """The worker hooks the connector delegates to, each with its "nothing to
+    do" answer: the side of a disabled connector and of the scheduler role."""
+
+    @property
+    def rank(self) -> int | None:
+        """This worker's rank (None: no worker side)."""
+        return None
+
+    @property
+    def bound(self) -> bool:
+        """Whether page memory is bound (a copy worker exists)."""
+        return False
+
+    @property
+    def worker(self) -> CopyWorker | None:
+        """The copy worker (after binding)."""
+        return None
+
+    def in_flight(self) -> int:
+        """Copies queued or running on this rank."""
+        return 0
+
+    def is_unsafe(self) -> bool:
+        """Whether the copy worker turned unsafe."""
+        return False
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], kv_cache_config: Any) -> bool:
+        """vLLM's per-layer KV caches; True when they were bound (upstream mode)."""
+        return False
+
+    def bind_boundary_state(self, state: Any) -> None:
+        """The fork's ``bind_boundary_checkpoint_state`` (boundary mode binds)."""
+
+    def take(self, meta: Any) -> None:
+        """This step's tasks (``start_load_kv``)."""
+
+    def wait_for_save(self, step: int) -> None:
+        """The forward of ``step`` ended (upstream stores are submitted now)."""
+
+    def transfer_results(self) -> TransferResults | None:
+        """Upstream restores that ended: None, vLLM's empty default."""
+        return None
+
+    def worker_meta(self) -> CheckpointWorkerMetadata | None:
+        """Nothing to report."""
+        return None
+
+    def inject_fault(self, kind: str, count: int = 1, delay: float = 0.0) -> None:
+        """Test hook of a worker rank: RuntimeError here."""
+        raise RuntimeError("inject_fault is a worker-role hook")
+
+    def close(self) -> None:
+        """Nothing to drain."""
+
+
+class WorkerSide(WorkerHooks):
+    """One rank's copy worker and the bookkeeping that makes every task end
+    once; boundary mode's hooks (the fork's page pool, every task submitted
+    at ``start_load_kv``)."""
+
+    stores_later = False
+    """Whether stores wait for :meth:`wait_for_save` (upstream mode)."""
 
     def __init__(
         self,
@@ -157,6 +231,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ binding
 
     def _start(self, layout: Mapping[str, Any], page_pool: Any) -> None:
+        self._check_rank()
         if self._worker is not None:
             raise RuntimeError("this worker rank's page memory is already bound")
         self._worker = self._factory(
@@ -172,6 +247,26 @@ class WorkerSide:
         )
         self._layout = dict(layout)
         self._layout_reported = False
+
+    def _check_rank(self) -> None:
+        if not 0 <= self._rank < self._world_size:
+            raise ValueError(f"worker rank {self._rank} is outside 0..{self._world_size - 1}")
+
+    def bind_boundary_state(self, state: Any) -> None:
+        """The fork's ``bind_boundary_checkpoint_state``: this rank's page pool
+        and layout. Raises when the transport cannot serve (bad layout or
+        pool, sidecar unreachable), as the fork requires."""
+        self._check_rank()
+        if self.bound:
+            raise RuntimeError("bind_boundary_checkpoint_state was called twice")
+        layout = dict(state.get_external_checkpoint_layout())
+        page_bytes = layout.get("page_bytes")
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError("the checkpoint layout must name a positive integer page_bytes")
+        initialize = getattr(state, "initialize_external_checkpoint_layout", None)
+        if initialize is not None:
+            initialize(layout)  # binds hidden-state views before the first forward
+        self.bind_boundary_pool(layout, state.get_external_checkpoint_page_pool())
 
     def bind_boundary_pool(self, layout: Mapping[str, Any], pool: Any) -> None:
         """Boundary mode: the fork's ``[num_blocks, page_bytes]`` page pool."""
@@ -225,9 +320,9 @@ class WorkerSide:
         self._events[task_id] = event  # alive until the rank's result
         return int(event.cuda_event)
 
-    def take(self, meta: Any, *, stores_later: bool) -> None:
-        """Accept this step's tasks: restores (and, unless ``stores_later``,
-        stores) are submitted now; upstream stores wait for :meth:`submit_stores`.
+    def take(self, meta: Any) -> None:
+        """Accept this step's tasks: restores (and, unless :attr:`stores_later`,
+        stores) are submitted now; upstream stores wait for :meth:`wait_for_save`.
         A task id delivered twice raises :class:`lmcache_rc.worker.DuplicateTask`."""
         if not isinstance(meta, CheckpointConnectorMetadata) or not meta.tasks:
             return
@@ -235,7 +330,7 @@ class WorkerSide:
             self._see(task)
             if task.request_id and task.direction == "RETRIEVE":
                 self._loads[task.task_id] = task.request_id
-            if stores_later and task.direction == "STORE":
+            if self.stores_later and task.direction == "STORE":
                 self._stores.append(task)
                 continue
             self._submit(task)
@@ -295,14 +390,6 @@ class WorkerSide:
                     self._recv_failed.add(rid)
         return results
 
-    def transfer_results(self) -> TransferResults:
-        """Upstream restores that ended (``finished_recving``; failures also in
-        ``failed_recving``), each reported once; drained by the call."""
-        self._pending_results.update(self.collect())
-        done, failed = self._recv_done, self._recv_failed
-        self._recv_done, self._recv_failed = set(), set()
-        return TransferResults(done, failed)
-
     def worker_meta(self) -> CheckpointWorkerMetadata | None:
         """This rank's layout (once) and its task results since the last call.
 
@@ -342,3 +429,44 @@ class WorkerSide:
         if self._worker is not None:
             self._worker.close(timeout=self._options.close_timeout or None)
             self._events.clear()
+
+
+class UpstreamWorkerSide(WorkerSide):
+    """Upstream mode's worker hooks: the per-layer KV caches of
+    ``register_kv_caches``, stores submitted at ``wait_for_save`` (after the
+    forward that wrote them), restores reported to vLLM as well."""
+
+    stores_later = True
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        *,
+        rank: int,
+        world_size: int,
+        factory: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__(options, rank=rank, world_size=world_size, factory=factory)
+        self._check_rank()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], kv_cache_config: Any) -> bool:
+        """Describe this rank's pages and start its copy worker; True."""
+        if kv_cache_config is None:
+            raise ValueError("upstream mode needs the KVCacheConfig vLLM passes to the connector")
+        self.bind_kv_caches(kv_caches, kv_cache_config)
+        return True
+
+    def bind_boundary_state(self, state: Any) -> None:
+        """Not the fork's mode: nothing to bind."""
+
+    def wait_for_save(self, step: int) -> None:
+        """The forward of ``step`` ended: submit the stores taken this step."""
+        self.submit_stores(step)
+
+    def transfer_results(self) -> TransferResults:
+        """Upstream restores that ended (``finished_recving``; failures also in
+        ``failed_recving``), each reported once; drained by the call."""
+        self._pending_results.update(self.collect())
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return TransferResults(done, failed)
