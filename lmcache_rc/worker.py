@@ -15,10 +15,11 @@ the worker metadata (docs/design/transfers.md#the-connectors-task-protocol):
   that is a fatal engine error, never a miss.
 
 "Each task once" has one ledger per rank, :class:`TaskLedger`: the rank's
-copy worker records every submission in it, and the connector's worker side
-(:mod:`lmcache_rc.vllm.worker`) shares the same ledger to refuse a task
-delivered twice (even before page memory is bound). Both refusals raise
-:class:`DuplicateTask`.
+copy worker records every submission and every result it hands out in it,
+and the connector's worker side (:mod:`lmcache_rc.vllm.worker`) shares the
+same ledger to refuse a task delivered twice (even before page memory is
+bound) and to record the results of tasks that never reached the engine.
+Every refusal raises :class:`DuplicateTask`.
 
 The worker keeps each task's future (and with it the engine's reference to
 the page pool) until its result was collected, so the caller can release its
@@ -152,14 +153,19 @@ class DuplicateTask(InvalidInput, RuntimeError):
     """
 
 
+_DELIVERED, _STARTED, _REPORTED = 0, 1, 2
+
+
 class TaskLedger:
-    """The task ids one rank has seen: each is delivered and submitted once.
+    """The task ids one rank has seen: each is delivered, submitted and
+    reported once.
 
     :meth:`deliver` records a task the rank received (the connector's worker
     side, before it knows whether the task can run); :meth:`start` records
     its submission to the transfer engine (a task never delivered counts as
-    delivered now). Either raises :class:`DuplicateTask` for a second time.
-    The last ``capacity`` ids are remembered. Thread-safe.
+    delivered now); :meth:`report` records that its result was handed out.
+    Each raises :class:`DuplicateTask` for a second time. The last
+    ``capacity`` ids are remembered. Thread-safe.
     """
 
     def __init__(self, capacity: int = REMEMBERED_TASKS) -> None:
@@ -167,7 +173,7 @@ class TaskLedger:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self._capacity = capacity
         self._lock = threading.Lock()
-        self._ids: OrderedDict[str, bool] = OrderedDict()  # id -> started
+        self._ids: OrderedDict[str, int] = OrderedDict()  # id -> _DELIVERED/_STARTED/_REPORTED
 
     def __len__(self) -> int:
         with self._lock:
@@ -177,8 +183,8 @@ class TaskLedger:
         with self._lock:
             return task_id in self._ids
 
-    def _record(self, task_id: str, started: bool) -> None:
-        self._ids[task_id] = started
+    def _record(self, task_id: str, state: int) -> None:
+        self._ids[task_id] = state
         if len(self._ids) > self._capacity:
             self._ids.popitem(last=False)
 
@@ -187,16 +193,22 @@ class TaskLedger:
         with self._lock:
             if task_id in self._ids:
                 raise DuplicateTask(f"checkpoint task {task_id} was delivered twice on this rank")
-            self._record(task_id, False)
+            self._record(task_id, _DELIVERED)
 
     def start(self, task_id: str) -> None:
         """``task_id`` goes to the transfer engine; :class:`DuplicateTask` if it
         was submitted (or, undelivered, seen) before."""
         with self._lock:
-            started = self._ids.get(task_id)
-            if started:
+            if self._ids.get(task_id, _DELIVERED) != _DELIVERED:
                 raise DuplicateTask(f"checkpoint task {task_id} was already submitted on this rank")
-            self._record(task_id, True)
+            self._record(task_id, _STARTED)
+
+    def report(self, task_id: str) -> None:
+        """``task_id``'s result is handed out; :class:`DuplicateTask` if it was before."""
+        with self._lock:
+            if self._ids.get(task_id) == _REPORTED:
+                raise DuplicateTask(f"checkpoint task {task_id} was reported twice on this rank")
+            self._record(task_id, _REPORTED)
 
 
 def _is_cuda_tensor(pool: object) -> bool:
@@ -445,6 +457,8 @@ class CheckpointWorker:
                 results[task] = False
             if future.outcome == "failed":
                 log.warning("checkpoint task %s failed: %s", task, future.error)
+        for task in results:
+            self.ledger.report(task)  # each result once (DuplicateTask: a bug)
         if unsafe is not None:
             self._keep_pool_forever()
             raise unsafe

@@ -247,6 +247,35 @@ def test_a_task_delivered_twice_is_an_error() -> None:
     assert len(fake(connector).submitted) == 1
 
 
+def test_one_task_ledger_per_rank_refuses_each_step_of_a_task_twice() -> None:
+    ledger = TaskLedger(capacity=2)
+    ledger.deliver("a")
+    ledger.start("a")
+    ledger.report("a")
+    for again in (ledger.deliver, ledger.start, ledger.report):
+        with pytest.raises(DuplicateTask, match=r"twice|already"):
+            again("a")
+    ledger.start("b")  # a direct CheckpointWorker user submits without a delivery
+    with pytest.raises(DuplicateTask, match="delivered twice"):
+        ledger.deliver("b")
+    ledger.deliver("c")
+    assert len(ledger) == 2 and "a" not in ledger  # the oldest id is forgotten
+    # one exception for every refusal, caught by either earlier handler
+    assert issubclass(DuplicateTask, ValueError) and issubclass(DuplicateTask, RuntimeError)
+
+
+def test_the_worker_side_shares_its_ledger_with_the_copy_worker() -> None:
+    connector = worker_connector()
+    connector.bind_boundary_checkpoint_state(State())
+    side = connector.worker_side
+    assert side is not None
+    ledger = fake(connector).args["ledger"]
+    assert isinstance(ledger, TaskLedger)
+    (a,) = tasks(1)
+    step(connector, [a])
+    assert a.task_id in ledger  # the delivery was recorded in the shared ledger
+
+
 @pytest.mark.parametrize("failure", ["submit", "event_create", "event_record"])
 def test_submission_exception_reports_each_unsent_task(
     failure: str, monkeypatch: pytest.MonkeyPatch

@@ -378,6 +378,8 @@ class WorkerSide(WorkerHooks):
         """Every task that ended since the last call, exactly once, with its result."""
         results = dict(self._unsent)
         self._unsent.clear()
+        for task_id in results:  # never reached the engine: reported here, once
+            self._ledger.report(task_id)
         if self._worker is not None:
             for task_id, ok in self._worker.collect().items():
                 results[task_id] = bool(ok)
