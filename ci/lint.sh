@@ -17,6 +17,8 @@ echo "== mypy --strict"
 mypy --strict lmcache_rc
 echo "== lmcache_rc/errors.py is generated from the core's error table"
 python ci/gen_errors.py --check
+echo "== docs/vllm.md's option tables are generated from the connector's options table"
+python ci/gen_option_docs.py --check
 echo "== stubtest (lmcache_rc/_native.pyi vs the built module)"
 python -m mypy.stubtest lmcache_rc._native --allowlist ci/stubtest-allowlist.txt
 echo "lint: clean"

@@ -5,7 +5,7 @@ Kept in step with ``rust/python/src`` (``ci/lint.sh`` runs ``mypy.stubtest``).
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar, final
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -165,8 +165,9 @@ class Prefix:
 
 @final
 class TokenRoots:
+    DEFAULT_CHUNK_TOKENS: ClassVar[int]
     @staticmethod
-    def build(namespace: str, tokens: _Tokens, chunk_tokens: int = 4096) -> TokenRoots: ...
+    def build(namespace: str, tokens: _Tokens, chunk_tokens: int | None = None) -> TokenRoots: ...
     @property
     def namespace(self) -> str: ...
     @property
@@ -405,10 +406,11 @@ class TransferEngine:
         socket_path: str | os.PathLike[str],
         page_pool: npt.NDArray[np.uint8],
         *,
-        workers: int = 2,
-        max_pending: int = 16,
-        rpc_timeout: float = 30.0,
+        workers: int | None = None,
+        max_copies_in_flight: int | None = None,
+        rpc_timeout: float | None = None,
         layout: Mapping[str, Any] | None = None,
+        max_pending: int | None = None,
     ) -> TransferEngine: ...
     @staticmethod
     def cuda(
@@ -418,10 +420,11 @@ class TransferEngine:
         page_bytes: int,
         *,
         device: int = 0,
-        workers: int = 2,
-        max_pending: int = 16,
-        rpc_timeout: float = 30.0,
+        workers: int | None = None,
+        max_copies_in_flight: int | None = None,
+        rpc_timeout: float | None = None,
         layout: Mapping[str, Any] | None = None,
+        max_pending: int | None = None,
     ) -> TransferEngine: ...
     @staticmethod
     def cpu_regions(
@@ -430,10 +433,11 @@ class TransferEngine:
         groups: Mapping[str, Iterable[Sequence[int]]],
         num_blocks: int,
         *,
-        workers: int = 2,
-        max_pending: int = 16,
-        rpc_timeout: float = 30.0,
+        workers: int | None = None,
+        max_copies_in_flight: int | None = None,
+        rpc_timeout: float | None = None,
         layout: Mapping[str, Any] | None = None,
+        max_pending: int | None = None,
     ) -> TransferEngine: ...
     @staticmethod
     def cuda_regions(
@@ -443,11 +447,14 @@ class TransferEngine:
         num_blocks: int,
         *,
         device: int = 0,
-        workers: int = 2,
-        max_pending: int = 16,
-        rpc_timeout: float = 30.0,
+        workers: int | None = None,
+        max_copies_in_flight: int | None = None,
+        rpc_timeout: float | None = None,
         layout: Mapping[str, Any] | None = None,
+        max_pending: int | None = None,
     ) -> TransferEngine: ...
+    @staticmethod
+    def defaults() -> dict[str, int | float]: ...
     @staticmethod
     def check_cuda_driver() -> None: ...
     def submit(

@@ -336,7 +336,9 @@ def _bench_rounds(
     page_bytes = int(layout["page_bytes"])
     engines = {
         w: tuple(
-            rc.TransferEngine(socket_path, pool, workers=w, max_pending=jobs + w, layout=layout)
+            rc.TransferEngine(
+                socket_path, pool, workers=w, max_copies_in_flight=jobs + w, layout=layout
+            )
             for pool in (src, dst)
         )
         for w in (1, 2)

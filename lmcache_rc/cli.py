@@ -456,7 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     group = ident.add_mutually_exclusive_group()
     group.add_argument("--tokens", help="token ids as a JSON list")
     group.add_argument("--text", default=SAMPLE_TEXT, help="text, tokenized one token per byte")
-    ident.add_argument("--chunk-tokens", type=int, default=4096, help="tokens per hash chunk")
+    ident.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=rc.TokenRoots.DEFAULT_CHUNK_TOKENS,
+        help="tokens per hash chunk",
+    )
     ident.add_argument("--json", action="store_true", help="print one JSON object")
     ident.set_defaults(func=_cmd_identity)
 

@@ -14,6 +14,13 @@ the worker metadata (docs/design/transfers.md#the-connectors-task-protocol):
   from :meth:`~CheckpointWorker.collect` and :meth:`~CheckpointWorker.close`:
   that is a fatal engine error, never a miss.
 
+"Each task once" has one ledger per rank, :class:`TaskLedger`: the rank's
+copy worker records every submission and every result it hands out in it,
+and the connector's worker side (:mod:`lmcache_rc.vllm.worker`) shares the
+same ledger to refuse a task delivered twice (even before page memory is
+bound) and to record the results of tasks that never reached the engine.
+Every refusal raises :class:`DuplicateTask`.
+
 The worker keeps each task's future (and with it the engine's reference to
 the page pool) until its result was collected, so the caller can release its
 block pins exactly when the result is known.
@@ -30,6 +37,7 @@ import copy
 import logging
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,16 +47,35 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from .errors import UnsafeCopy
+from .errors import InvalidInput, UnsafeCopy
 
-__all__ = ["CheckpointWorker", "PageRegions", "Region"]
+__all__ = [
+    "DEFAULT_COPY_WORKERS",
+    "DEFAULT_MAX_COPIES_IN_FLIGHT",
+    "DEFAULT_RPC_TIMEOUT",
+    "REMEMBERED_TASKS",
+    "CheckpointWorker",
+    "DuplicateTask",
+    "PageRegions",
+    "Region",
+    "TaskLedger",
+]
 
 log = logging.getLogger(__name__)
 
 DIRECTIONS = ("STORE", "RETRIEVE")
 
-# Task ids remembered to refuse a second submission (running ones always are).
-SEEN_TASK_IDS = 65536
+_ENGINE_DEFAULTS = _native.TransferEngine.defaults()
+DEFAULT_COPY_WORKERS: int = int(_ENGINE_DEFAULTS["workers"])
+"""Copy threads of a transfer engine by default (the core's ``EngineConfig``)."""
+DEFAULT_MAX_COPIES_IN_FLIGHT: int = int(_ENGINE_DEFAULTS["max_copies_in_flight"])
+"""Copies queued or running in a transfer engine by default (the core's ``EngineConfig``)."""
+DEFAULT_RPC_TIMEOUT: float = float(_ENGINE_DEFAULTS["rpc_timeout"])
+"""Seconds each lease call of a transfer engine waits by default (the core's ``EngineConfig``)."""
+
+REMEMBERED_TASKS = 1 << 16
+"""Task ids a :class:`TaskLedger` remembers to refuse a second delivery or
+submission (the oldest are forgotten first)."""
 
 # Page pools of workers that turned unsafe: a copy may still write into them,
 # so they stay referenced until the process exits (see
@@ -117,6 +144,73 @@ class PageRegions:
         object.__setattr__(self, "groups", MappingProxyType(frozen))
 
 
+class DuplicateTask(InvalidInput, RuntimeError):
+    """A checkpoint task id reached one rank twice (delivered or submitted).
+
+    Every task is submitted and reported exactly once per rank; a second
+    delivery is a bug in the scheduler side, never a miss. Also a
+    ``ValueError`` and a ``RuntimeError``.
+    """
+
+
+_DELIVERED, _STARTED, _REPORTED = 0, 1, 2
+
+
+class TaskLedger:
+    """The task ids one rank has seen: each is delivered, submitted and
+    reported once.
+
+    :meth:`deliver` records a task the rank received (the connector's worker
+    side, before it knows whether the task can run); :meth:`start` records
+    its submission to the transfer engine (a task never delivered counts as
+    delivered now); :meth:`report` records that its result was handed out.
+    Each raises :class:`DuplicateTask` for a second time. The last
+    ``capacity`` ids are remembered. Thread-safe.
+    """
+
+    def __init__(self, capacity: int = REMEMBERED_TASKS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._ids: OrderedDict[str, int] = OrderedDict()  # id -> _DELIVERED/_STARTED/_REPORTED
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
+    def __contains__(self, task_id: object) -> bool:
+        with self._lock:
+            return task_id in self._ids
+
+    def _record(self, task_id: str, state: int) -> None:
+        self._ids[task_id] = state
+        if len(self._ids) > self._capacity:
+            self._ids.popitem(last=False)
+
+    def deliver(self, task_id: str) -> None:
+        """The rank received ``task_id``; :class:`DuplicateTask` if it was seen before."""
+        with self._lock:
+            if task_id in self._ids:
+                raise DuplicateTask(f"checkpoint task {task_id} was delivered twice on this rank")
+            self._record(task_id, _DELIVERED)
+
+    def start(self, task_id: str) -> None:
+        """``task_id`` goes to the transfer engine; :class:`DuplicateTask` if it
+        was submitted (or, undelivered, seen) before."""
+        with self._lock:
+            if self._ids.get(task_id, _DELIVERED) != _DELIVERED:
+                raise DuplicateTask(f"checkpoint task {task_id} was already submitted on this rank")
+            self._record(task_id, _STARTED)
+
+    def report(self, task_id: str) -> None:
+        """``task_id``'s result is handed out; :class:`DuplicateTask` if it was before."""
+        with self._lock:
+            if self._ids.get(task_id) == _REPORTED:
+                raise DuplicateTask(f"checkpoint task {task_id} was reported twice on this rank")
+            self._record(task_id, _REPORTED)
+
+
 def _is_cuda_tensor(pool: object) -> bool:
     """Whether ``pool`` is a torch tensor on a CUDA device (torch not imported)."""
     return bool(getattr(pool, "is_cuda", False)) and hasattr(pool, "data_ptr")
@@ -137,19 +231,10 @@ def _tensor_buffer(t: Any, index: int) -> tuple[Any, int, int]:
 def _regions_engine(
     socket_path: str,
     regions: PageRegions,
-    workers: int,
-    max_pending: int,
-    rpc_timeout: float,
-    layout: dict[str, Any],
+    options: dict[str, Any],
 ) -> _native.TransferEngine:
     """A cpu- or cuda-backend engine over ``regions`` (by the buffers' device)."""
     groups = {name: list(r) for name, r in regions.groups.items()}
-    options: dict[str, Any] = {
-        "workers": workers,
-        "max_pending": max_pending,
-        "rpc_timeout": rpc_timeout,
-        "layout": layout,
-    }
     cuda = [_is_cuda_tensor(b) for b in regions.buffers]
     if all(cuda):
         devices = {int(b.device.index or 0) for b in regions.buffers}
@@ -183,10 +268,7 @@ def _regions_engine(
 def _cuda_engine(
     socket_path: str,
     pool: Any,
-    workers: int,
-    max_pending: int,
-    rpc_timeout: float,
-    layout: dict[str, Any],
+    options: dict[str, Any],
 ) -> _native.TransferEngine:
     """A cuda-backend engine over a contiguous 2-D uint8 CUDA tensor."""
     if pool.dim() != 2 or str(pool.dtype) != "torch.uint8" or not pool.is_contiguous():
@@ -200,10 +282,7 @@ def _cuda_engine(
         num_blocks,
         page_bytes,
         device=int(pool.device.index or 0),
-        workers=workers,
-        max_pending=max_pending,
-        rpc_timeout=rpc_timeout,
-        layout=layout,
+        **options,
     )
 
 
@@ -225,6 +304,13 @@ class CheckpointWorker:
     differs is refused before any lease. The engine connects to the sidecar
     at ``socket_path`` and maps its shared-memory pool at once, so a wrong
     socket fails here.
+
+    ``workers``, ``max_copies_in_flight`` (copies queued or running; more are
+    refused) and ``rpc_timeout`` default to the engine's defaults
+    (:data:`DEFAULT_COPY_WORKERS`, ...); ``max_pending`` is the deprecated
+    name of ``max_copies_in_flight`` (a ``DeprecationWarning``). ``ledger``
+    is the rank's :class:`TaskLedger` when the caller shares one (the
+    connector's worker side does); else the worker keeps its own.
     """
 
     def __init__(
@@ -235,10 +321,26 @@ class CheckpointWorker:
         world_size: int,
         layout: Mapping[str, Any],
         page_pool: Any,
-        workers: int = 2,
-        max_pending: int = 16,
-        rpc_timeout: float = 30.0,
+        workers: int = DEFAULT_COPY_WORKERS,
+        max_copies_in_flight: int | None = None,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+        ledger: TaskLedger | None = None,
+        max_pending: int | None = None,
     ) -> None:
+        if max_pending is not None:
+            if max_copies_in_flight is not None:
+                raise ValueError(
+                    "max_pending is the deprecated name of max_copies_in_flight: give only "
+                    "max_copies_in_flight"
+                )
+            warnings.warn(
+                "CheckpointWorker: max_pending is deprecated, use max_copies_in_flight",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            max_copies_in_flight = max_pending
+        if max_copies_in_flight is None:
+            max_copies_in_flight = DEFAULT_MAX_COPIES_IN_FLIGHT
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -250,10 +352,14 @@ class CheckpointWorker:
         self.layout: dict[str, Any] = copy.deepcopy(dict(layout))
         self._pool = page_pool
         socket = os.fspath(socket_path)
+        options: dict[str, Any] = {
+            "workers": workers,
+            "max_copies_in_flight": max_copies_in_flight,
+            "rpc_timeout": rpc_timeout,
+            "layout": self.layout,
+        }
         if isinstance(page_pool, PageRegions):
-            self._engine = _regions_engine(
-                socket, page_pool, workers, max_pending, rpc_timeout, self.layout
-            )
+            self._engine = _regions_engine(socket, page_pool, options)
         else:
             if "page_bytes" not in layout:
                 raise ValueError("layout must be a mapping that includes page_bytes")
@@ -269,20 +375,12 @@ class CheckpointWorker:
                     f"row width {page_pool.shape[1]}"
                 )
             if cuda:
-                self._engine = _cuda_engine(
-                    socket, page_pool, workers, max_pending, rpc_timeout, self.layout
-                )
+                self._engine = _cuda_engine(socket, page_pool, options)
             else:
-                self._engine = _native.TransferEngine(
-                    socket,
-                    page_pool,
-                    workers=workers,
-                    max_pending=max_pending,
-                    rpc_timeout=rpc_timeout,
-                    layout=self.layout,
-                )
+                self._engine = _native.TransferEngine(socket, page_pool, **options)
         self._lock = threading.Lock()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self.ledger = TaskLedger() if ledger is None else ledger
+        """Each task id once on this rank (shared with the caller's, if given)."""
         self._running: dict[str, _native.TransferFuture] = {}
         self._rejected: list[str] = []
         self._closed = False
@@ -308,18 +406,17 @@ class CheckpointWorker:
         """Submits one task; False when it was rejected (nothing started; the
         next :meth:`collect` reports it False).
 
-        A task id seen before raises ``ValueError``: every task is submitted
-        and reported exactly once per rank. An argument the engine refuses
-        (bad direction, rank, block ids) rejects only this task.
+        A task id submitted before raises :class:`DuplicateTask` (a
+        ``ValueError``): every task is submitted and reported exactly once
+        per rank (:attr:`ledger`). An argument the engine refuses (bad
+        direction, rank, block ids) rejects only this task.
         """
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be 'STORE' or 'RETRIEVE', got {direction!r}")
         with self._lock:
-            if task_id in self._seen or task_id in self._running:
-                raise ValueError(f"checkpoint task {task_id} was already submitted on this rank")
-            self._seen[task_id] = None
-            if len(self._seen) > SEEN_TASK_IDS:
-                self._seen.popitem(last=False)
+            if task_id in self._running:
+                raise DuplicateTask(f"checkpoint task {task_id} was already submitted on this rank")
+            self.ledger.start(task_id)
             if self._closed:
                 self._rejected.append(task_id)
                 return False
@@ -360,6 +457,8 @@ class CheckpointWorker:
                 results[task] = False
             if future.outcome == "failed":
                 log.warning("checkpoint task %s failed: %s", task, future.error)
+        for task in results:
+            self.ledger.report(task)  # each result once (DuplicateTask: a bug)
         if unsafe is not None:
             self._keep_pool_forever()
             raise unsafe

@@ -467,7 +467,7 @@ def test_several_copies_of_one_rank_are_in_flight_at_once(fake: FakeDriver, serv
     pool = cuda_pool(fake)
     for m, ids in zip(ms, layouts, strict=True):
         fill(pool.array, m, 0, ids)
-    worker = cuda_worker(server, pool, workers=3, max_pending=3)
+    worker = cuda_worker(server, pool, workers=3, max_copies_in_flight=3)
     # Every copy blocks in its wait: three copies get there at once.
     fake.hold("cuEventSynchronize")
     for k in range(3):
@@ -484,7 +484,7 @@ def test_several_copies_of_one_rank_are_in_flight_at_once(fake: FakeDriver, serv
     assert fake.stat("live_streams") == baseline["live_streams"] + 3
     # Byte-exact: restore all six, three at a time.
     dst = cuda_pool(fake)
-    restore = cuda_worker(server, dst, workers=3, max_pending=6)
+    restore = cuda_worker(server, dst, workers=3, max_copies_in_flight=6)
     for k, m in enumerate(ms):
         assert restore.submit(f"r{k}", m, "RETRIEVE", layouts[k])
     assert collect_all(restore, 6) == {f"r{k}": True for k in range(6)}

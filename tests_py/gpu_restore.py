@@ -165,7 +165,7 @@ def measure(
     with tempfile.TemporaryDirectory() as tmp:
         cfg = rc.ServerConfig(socket=str(Path(tmp) / "gpu.sock"), l1_bytes=total + (64 << 20))
         with rc.Server.start(cfg) as server, rc.Client(server.socket_path) as client:
-            opts: dict[str, Any] = {"layout": layout, "max_pending": 4}
+            opts: dict[str, Any] = {"layout": layout, "max_copies_in_flight": 4}
             engines = [
                 [
                     rc.TransferEngine.cuda(

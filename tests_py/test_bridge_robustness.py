@@ -143,8 +143,7 @@ def test_worker_does_not_remember_every_task_forever(server: rc.Server) -> None:
 
     import numpy as np
 
-    from lmcache_rc.connector import _SEEN_TASKS
-    from lmcache_rc.worker import CheckpointWorker
+    from lmcache_rc.worker import REMEMBERED_TASKS, CheckpointWorker
 
     # a manifest this rank refuses before any lease: each task ends at once (False)
     manifest, _ = rpc_helpers.make_manifest(
@@ -160,7 +159,7 @@ def test_worker_does_not_remember_every_task_forever(server: rc.Server) -> None:
     quiet = logging.getLogger().level
     logging.getLogger().setLevel(logging.CRITICAL)
     try:
-        for i in range(_SEEN_TASKS + 1000):
+        for i in range(REMEMBERED_TASKS + 1000):
             worker.submit(f"t{i}", manifest, "STORE", [[1], [2], [3]])
             if i % 1000 == 999:
                 worker.collect()
@@ -172,7 +171,7 @@ def test_worker_does_not_remember_every_task_forever(server: rc.Server) -> None:
         logging.getLogger().setLevel(quiet)
         worker.close()
     assert worker.in_flight() == 0
-    assert len(worker._seen) <= _SEEN_TASKS, len(worker._seen)
+    assert len(worker.ledger) <= REMEMBERED_TASKS, len(worker.ledger)
 
 
 def test_a_burst_of_stores_within_max_tasks_is_not_refused_by_the_ranks(
@@ -221,10 +220,10 @@ class _FlakyClient:
 
 
 def test_aborts_while_disconnected_are_queued_and_sent_after_reconnecting() -> None:
-    from lmcache_rc.scheduler import _NonBlockingSidecar
+    from lmcache_rc.vllm.sidecar import NonBlockingSidecar
 
     fake = _FlakyClient()
-    link = _NonBlockingSidecar(fake, retry_interval=0.0)  # type: ignore[arg-type]
+    link = NonBlockingSidecar(fake, retry_interval=0.0)  # type: ignore[arg-type]
     fake.connected = False
     assert link.abort_async("g1") is None and link.abort_async("g2") is None
     assert fake.aborted == []

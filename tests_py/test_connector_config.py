@@ -9,8 +9,10 @@ vLLM is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import typing
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,16 +23,16 @@ import rpc_helpers
 
 import lmcache_rc as rc
 from lmcache_rc import errors
-from lmcache_rc.connector import (
+from lmcache_rc.vllm.api import KVConnectorRole, SupportsHMA
+from lmcache_rc.vllm.connector import LMCacheRecurrentCheckpointConnector
+from lmcache_rc.vllm.identity import PRECISION_ENV_VARS, checkpoint_identity
+from lmcache_rc.vllm.options import (
     OPTION_DEFAULTS,
-    PRECISION_ENV_VARS,
+    OPTIONS,
     ConnectorOptions,
     InvalidConnectorConfig,
-    LMCacheRecurrentCheckpointConnector,
-    checkpoint_identity,
     parse_options,
 )
-from lmcache_rc.vllm_api import KVConnectorRole, SupportsHMA
 
 TARGET = "0123456789abcdef0123456789abcdef01234567"
 SOURCE = "89abcdef" * 8  # 64 hex digits
@@ -203,6 +205,31 @@ def test_class_is_concrete_hma_and_accepts_the_factory_keyword() -> None:
     assert cls.get_required_kvcache_layout(make_config(extra())) is None
 
 
+def test_no_hook_asks_the_mode_the_sides_are_chosen_at_bind_time() -> None:
+    # Only construction and the bind hooks decide the mode (and the fork's
+    # class-level capability query reads the option); every other hook
+    # delegates to the side objects chosen there.
+    deciders = {
+        "__init__",
+        "supports_request_boundary_checkpoints",
+        "bind_kv_cache_manager",
+        "bind_boundary_checkpoint_cache",
+        "bind_boundary_checkpoint_state",
+        "mode",
+    }
+    cls = LMCacheRecurrentCheckpointConnector
+    for name, member in vars(cls).items():
+        if name in deciders:
+            continue
+        target = member.fget if isinstance(member, property) else member
+        target = getattr(target, "__func__", target)
+        if not inspect.isfunction(target):
+            continue
+        source = inspect.getsource(target)
+        assert "_mode" not in source, f"{name} asks the mode"
+        assert "vllm_api" not in source, f"{name} asks the mode option"
+
+
 def test_module_imports_without_vllm_or_the_worker_module() -> None:
     import sys
 
@@ -231,6 +258,40 @@ def test_defaults() -> None:
     for name, default in OPTION_DEFAULTS.items():
         if default is not None:
             assert getattr(opts, name) == default, name
+
+
+def test_the_options_table_is_the_one_source_of_fields_types_and_defaults() -> None:
+    fields = {f.name: f for f in dataclasses.fields(ConnectorOptions)}
+    revisions = ["target_revision", "source_revision", "draft_revision"]
+    table = [o.name for o in OPTIONS if o.kind not in ("socket", "identity")]
+    assert list(fields) == ["socket", *revisions, *table]
+    hints = typing.get_type_hints(ConnectorOptions)
+    for option in OPTIONS:
+        if option.kind in ("socket", "identity"):
+            continue
+        assert hints[option.name] is option.type, option.name
+        assert fields[option.name].default == option.default, option.name
+        assert type(option.parse(option.default)) is option.type, option.name
+    # the engine and identity defaults are the core's, not copies
+    engine = rc.TransferEngine.defaults()
+    assert OPTION_DEFAULTS["copy_workers"] == engine["workers"]
+    assert OPTION_DEFAULTS["max_copies_per_rank"] == engine["max_copies_in_flight"]
+    assert OPTION_DEFAULTS["rpc_timeout"] == engine["rpc_timeout"]
+    assert OPTION_DEFAULTS["chunk_tokens"] == rc.TokenRoots.DEFAULT_CHUNK_TOKENS
+
+
+def test_the_docs_option_tables_are_generated_from_the_options_table() -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "ci" / "gen_option_docs.py"
+    spec = importlib.util.spec_from_file_location("gen_option_docs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    docs = module.TARGET.read_text()
+    assert module.render(docs) == docs, "run python ci/gen_option_docs.py"
+    for option in OPTIONS:
+        assert docs.count(f"| `lmcache_rc.{option.name}` | {option.shown_default()} |") == 2
 
 
 def test_max_copies_per_rank_is_read_without_a_warning() -> None:

@@ -21,12 +21,10 @@ from test_connector_config import extra, make_config
 
 import lmcache_rc as rc
 from lmcache_rc import errors
-from lmcache_rc.connector import (
-    CheckpointConnectorMetadata,
-    CheckpointWorkerMetadata,
-    LMCacheRecurrentCheckpointConnector,
-)
-from lmcache_rc.vllm_api import CheckpointEngineTask, KVConnectorRole
+from lmcache_rc.vllm.api import CheckpointEngineTask, KVConnectorRole
+from lmcache_rc.vllm.connector import LMCacheRecurrentCheckpointConnector
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.worker import DuplicateTask, TaskLedger
 
 PAGE = 64
 LAYOUT = {"schema_version": 1, "page_bytes": PAGE, "groups": [], "auxiliary_fields": []}
@@ -44,8 +42,9 @@ class FakeWorker:
         layout: Any,
         page_pool: np.ndarray,
         workers: int = 2,
-        max_pending: int = 16,
+        max_copies_in_flight: int = 16,
         rpc_timeout: float = 30.0,
+        ledger: TaskLedger | None = None,
     ) -> None:
         self.args = dict(
             socket_path=socket_path,
@@ -54,8 +53,9 @@ class FakeWorker:
             layout=layout,
             page_pool=page_pool,
             workers=workers,
-            max_pending=max_pending,
+            max_copies_in_flight=max_copies_in_flight,
             rpc_timeout=rpc_timeout,
+            ledger=ledger,
         )
         self.rank = rank
         self.world_size = world_size
@@ -173,11 +173,8 @@ def test_bind_starts_the_copy_worker_with_the_rank_pool_and_options() -> None:
     assert worker.args["socket_path"] == "/tmp/lmcache-rc-test.sock"
     assert worker.args["page_pool"] is state.pool
     assert worker.args["layout"] == LAYOUT
-    assert (worker.args["workers"], worker.args["max_pending"], worker.args["rpc_timeout"]) == (
-        3,
-        5,
-        7.5,
-    )
+    args = worker.args
+    assert (args["workers"], args["max_copies_in_flight"], args["rpc_timeout"]) == (3, 5, 7.5)
     assert state.initialized == [LAYOUT]
     with pytest.raises(RuntimeError, match="twice"):
         connector.bind_boundary_checkpoint_state(state)
@@ -188,7 +185,7 @@ def test_the_deprecated_max_pending_option_still_bounds_the_rank_copy_engine() -
         connector = worker_connector(copy_workers=3, max_pending=5)
     connector.register_kv_caches({})
     connector.bind_boundary_checkpoint_state(State())
-    assert (fake(connector).args["workers"], fake(connector).args["max_pending"]) == (3, 5)
+    assert (fake(connector).args["workers"], fake(connector).args["max_copies_in_flight"]) == (3, 5)
 
 
 @pytest.mark.parametrize(
@@ -245,9 +242,38 @@ def test_a_task_delivered_twice_is_an_error() -> None:
     connector.bind_boundary_checkpoint_state(State())
     (a,) = tasks(1)
     step(connector, [a])
-    with pytest.raises(RuntimeError, match="twice"):
+    with pytest.raises(DuplicateTask, match="twice"):
         step(connector, [a])
     assert len(fake(connector).submitted) == 1
+
+
+def test_one_task_ledger_per_rank_refuses_each_step_of_a_task_twice() -> None:
+    ledger = TaskLedger(capacity=2)
+    ledger.deliver("a")
+    ledger.start("a")
+    ledger.report("a")
+    for again in (ledger.deliver, ledger.start, ledger.report):
+        with pytest.raises(DuplicateTask, match=r"twice|already"):
+            again("a")
+    ledger.start("b")  # a direct CheckpointWorker user submits without a delivery
+    with pytest.raises(DuplicateTask, match="delivered twice"):
+        ledger.deliver("b")
+    ledger.deliver("c")
+    assert len(ledger) == 2 and "a" not in ledger  # the oldest id is forgotten
+    # one exception for every refusal, caught by either earlier handler
+    assert issubclass(DuplicateTask, ValueError) and issubclass(DuplicateTask, RuntimeError)
+
+
+def test_the_worker_side_shares_its_ledger_with_the_copy_worker() -> None:
+    connector = worker_connector()
+    connector.bind_boundary_checkpoint_state(State())
+    side = connector.worker_side
+    assert side is not None
+    ledger = fake(connector).args["ledger"]
+    assert isinstance(ledger, TaskLedger)
+    (a,) = tasks(1)
+    step(connector, [a])
+    assert a.task_id in ledger  # the delivery was recorded in the shared ledger
 
 
 @pytest.mark.parametrize("failure", ["submit", "event_create", "event_record"])

@@ -176,7 +176,7 @@ def test_copy_bandwidth_against_torch_pinned_copies(server: Any) -> None:
     torch.cuda.synchronize()
     h2d = time.perf_counter() - t
     dst.zero_()
-    kwargs = {"layout": BIG_LAYOUT, "max_pending": jobs + 2}
+    kwargs = {"layout": BIG_LAYOUT, "max_copies_in_flight": jobs + 2}
     store = rc.TransferEngine.cuda(server.socket_path, src.data_ptr(), 1 + rows, BIG, **kwargs)
     restore = rc.TransferEngine.cuda(server.socket_path, dst.data_ptr(), 1 + rows, BIG, **kwargs)
     manifests = [_big_manifest(k, per_job) for k in range(jobs)]
@@ -245,7 +245,7 @@ def test_gpu_region_pages_round_trip_byte_exact(server: Any) -> None:
         _region_manifest(k, {"attn": (4 * half, 4), "ssm": (2 * state, 1)}) for k in range(jobs)
     ]
     ids = [[[1 + 5 * k + i for i in range(4)], [5 + 5 * k]] for k in range(jobs)]
-    options: dict[str, Any] = {"workers": 4, "max_pending": jobs + 4}
+    options: dict[str, Any] = {"workers": 4, "max_copies_in_flight": jobs + 4}
     with rc.Client(server.socket_path) as client:
         for m in manifests:
             assert client.begin(m)

@@ -25,12 +25,9 @@ import rpc_helpers
 
 import lmcache_rc as rc
 from lmcache_rc import errors
-from lmcache_rc.scheduler import (
-    CheckpointConnectorMetadata,
-    CheckpointSchedulerBridge,
-    CheckpointWorkerMetadata,
-)
-from lmcache_rc.vllm_api import CheckpointEngineTask
+from lmcache_rc.vllm.api import CheckpointEngineTask
+from lmcache_rc.vllm.boundary import CheckpointSchedulerBridge
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 
 PAGE = 4096
 BLOCK = 4

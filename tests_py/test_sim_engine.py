@@ -26,7 +26,7 @@ from lmcache_rc.testing import (
 )
 from lmcache_rc.testing.allocator import BlockPool, build_kv_cache_config
 from lmcache_rc.testing.config import SimKVTransferConfig, get_connector_class
-from lmcache_rc.vllm_api import (
+from lmcache_rc.vllm.api import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     SupportsHMA,

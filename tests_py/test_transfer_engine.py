@@ -85,10 +85,59 @@ def test_a_page_pool_that_is_not_a_writable_uint8_matrix_is_refused(
         rc.TransferEngine(server.socket_path, make())
 
 
+def test_engine_defaults_come_from_the_core() -> None:
+    assert rc.TransferEngine.defaults() == {
+        "workers": 2,
+        "max_copies_in_flight": 16,
+        "rpc_timeout": 30.0,
+    }
+    from lmcache_rc.worker import (
+        DEFAULT_COPY_WORKERS,
+        DEFAULT_MAX_COPIES_IN_FLIGHT,
+        DEFAULT_RPC_TIMEOUT,
+    )
+
+    assert (DEFAULT_COPY_WORKERS, DEFAULT_MAX_COPIES_IN_FLIGHT, DEFAULT_RPC_TIMEOUT) == (
+        2,
+        16,
+        30.0,
+    )
+
+
+def test_the_engine_keyword_max_pending_is_deprecated_but_still_bounds_copies(
+    server: Any,
+) -> None:
+    pool = pool_for()
+    with pytest.warns(DeprecationWarning, match="max_pending is deprecated"):
+        engine = rc.TransferEngine(
+            server.socket_path, pool, workers=1, max_pending=2, layout=LAYOUT
+        )
+    engine.close()
+    # the old name keeps its meaning: below workers it is refused, under the new name
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(errors.InvalidInput, match="max_copies_in_flight"),
+    ):
+        rc.TransferEngine(server.socket_path, pool, workers=4, max_pending=2)
+    with pytest.raises(errors.InvalidInput, match="give only max_copies_in_flight"):
+        rc.TransferEngine(server.socket_path, pool, max_pending=4, max_copies_in_flight=4)
+    with pytest.warns(DeprecationWarning, match="max_pending is deprecated"):
+        worker = CheckpointWorker(
+            server.socket_path,
+            rank=0,
+            world_size=1,
+            layout=LAYOUT,
+            page_pool=pool,
+            workers=1,
+            max_pending=1,
+        )
+    worker.close()
+
+
 def test_bad_engine_settings_are_refused(server: Any) -> None:
     pool = pool_for()
-    with pytest.raises(errors.InvalidInput, match="max_pending"):
-        rc.TransferEngine(server.socket_path, pool, workers=4, max_pending=2)
+    with pytest.raises(errors.InvalidInput, match="max_copies_in_flight"):
+        rc.TransferEngine(server.socket_path, pool, workers=4, max_copies_in_flight=2)
     with pytest.raises(errors.InvalidInput, match="rpc_timeout"):
         rc.TransferEngine(server.socket_path, pool, rpc_timeout=0)
     with pytest.raises(errors.InvalidInput, match="workers"):
@@ -232,14 +281,16 @@ def test_admission_is_bounded_and_refused_after_close(server: Any) -> None:
     manifests = [manifest(40, start=1000 * k)[0] for k in range(4)]
     client = rc.Client(server.socket_path)
     pool = np.zeros((1 + 8 * 4, PAGE), np.uint8)
-    engine = rc.TransferEngine(server.socket_path, pool, workers=1, max_pending=2, layout=LAYOUT)
+    engine = rc.TransferEngine(
+        server.socket_path, pool, workers=1, max_copies_in_flight=2, layout=LAYOUT
+    )
     engine._inject_fault("delay", count=2, delay=0.3)
     futures = []
     for k, m in enumerate(manifests):
         assert client.begin(m)
         futures.append(engine.submit(m, 0, "STORE", block_layout(m, 1 + 8 * k)))
     assert futures[0] is not None and futures[1] is not None
-    assert futures[2] is None and futures[3] is None, "admitted past max_pending"
+    assert futures[2] is None and futures[3] is None, "admitted past max_copies_in_flight"
     assert engine.in_flight == 2
     assert all(f is not None and f.result(30) for f in futures[:2])
     assert engine.wait_idle(30) and engine.in_flight == 0
@@ -331,7 +382,7 @@ def test_the_worker_reports_every_task_exactly_once(server: Any) -> None:
         layout=LAYOUT,
         page_pool=pool,
         workers=1,
-        max_pending=1,
+        max_copies_in_flight=1,
     )
     worker.engine._inject_fault("delay", delay=0.3)
     for m in manifests:

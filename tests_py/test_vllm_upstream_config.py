@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from lmcache_rc.connector import InvalidConnectorConfig, parse_options, resolve_mode
-from lmcache_rc.vllm.connector import upstream_problems
+from lmcache_rc.vllm.connector import resolve_mode, upstream_problems
 from lmcache_rc.vllm.identity import (
     resolve_source_revision,
     resolve_target_revision,
     snapshot_revision,
     vllm_distribution_digest,
 )
+from lmcache_rc.vllm.options import InvalidConnectorConfig, parse_options
 
 IDENTITY = {"target_revision": "a" * 40, "source_revision": "b" * 40}
 

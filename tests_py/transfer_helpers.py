@@ -91,7 +91,7 @@ def rank_process(
         world_size=manifests[0].world_size,
         layout=LAYOUT,
         page_pool=pool,
-        max_pending=len(manifests) + 2,
+        max_copies_in_flight=len(manifests) + 2,
     ) as worker:
         for k, (m, ids) in enumerate(zip(manifests, layouts, strict=True)):
             assert worker.submit(f"{direction}-{k}", m, direction, ids)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_rc.testing.toy_model import HybridGeometry, cdiv
-from lmcache_rc.vllm_api import CHECKPOINT_KINDS
+from lmcache_rc.vllm.api import CHECKPOINT_KINDS
 
 __all__ = [
     "BlockPool",

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lmcache_rc.vllm_api import KVConnectorRole, SupportsHMA
+from lmcache_rc.vllm.api import KVConnectorRole, SupportsHMA
 
 __all__ = [
     "SimCacheConfig",

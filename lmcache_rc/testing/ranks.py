@@ -39,7 +39,7 @@ import numpy.typing as npt
 from lmcache_rc.testing.allocator import BoundaryCheckpoint, CapturePlan, build_kv_cache_config
 from lmcache_rc.testing.config import SimVllmConfig, create_connector, get_connector_class
 from lmcache_rc.testing.toy_model import HybridGeometry, ToyHybridModel, cdiv
-from lmcache_rc.vllm_api import KVConnectorRole
+from lmcache_rc.vllm.api import KVConnectorRole
 
 __all__ = [
     "FaultRule",

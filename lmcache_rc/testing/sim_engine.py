@@ -56,7 +56,7 @@ from lmcache_rc.testing.ranks import (
     StepInput,
 )
 from lmcache_rc.testing.toy_model import HybridGeometry, ToyHybridModel
-from lmcache_rc.vllm_api import KVConnectorRole, SupportsHMA
+from lmcache_rc.vllm.api import KVConnectorRole, SupportsHMA
 
 __all__ = [
     "DEFAULT_IDENTITY",

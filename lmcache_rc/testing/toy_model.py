@@ -2,7 +2,7 @@
 
 What it owns: the KV-cache group specs of a simulated hybrid model
 (:class:`FullAttentionSpec`, :class:`SlidingWindowSpec`, :class:`MambaSpec`, named
-as in vLLM so :func:`lmcache_rc.vllm_api.is_recurrent_group` classifies them), the
+as in vLLM so :func:`lmcache_rc.vllm.api.is_recurrent_group` classifies them), the
 geometry that derives page positions from them (``docs/design/vllm-boundary-api.md`` §4,
 the toy hybrid model, and §2.3), and the page contents: attention pages, recurrent state pages
 and the auxiliary (draft) page are hash expansions of (rank shard, group,

@@ -10,6 +10,6 @@ scheduler ⇄ worker metadata (:mod:`.metadata`), the sidecar client wrapper
 and the Protocols naming every vLLM object touched (:mod:`.api`).
 
 Users configure the class path ``lmcache_rc.connector:LMCacheRecurrentCheckpointConnector``
-(that module re-exports this package's connector). Nothing here imports vLLM
+(that module names this package's connector and nothing else). Nothing here imports vLLM
 or torch at import time.
 """

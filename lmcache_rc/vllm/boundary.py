@@ -29,8 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,17 +45,16 @@ from lmcache_rc.vllm.api import (
 )
 from lmcache_rc.vllm.common import (
     CopyTask,
-    LayoutNegotiation,
+    Lookup,
     RestorePhase,
     TaskBook,
     check_found_prefix,
-    check_rank,
     handles,
-    poll_find,
     recurrent_boundaries,
 )
-from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
-from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
+from lmcache_rc.vllm.options import OPTION_DEFAULTS
+from lmcache_rc.vllm.sidecar import SidecarClient
 
 __all__ = ["CheckpointSchedulerBridge"]
 
@@ -74,22 +72,13 @@ _DONE = RestorePhase.DONE
 
 
 @dataclass(eq=False)
-class _Lookup:
-    """The restore state of one request (identity by object, so a reused
-    request id never inherits another request's lookup)."""
+class _Lookup(Lookup):
+    """The restore state of one request in boundary mode: what to reserve,
+    the reserved bundle, and whether it holds an admission record."""
 
-    request_id: str
-    phase: RestorePhase
-    attempts: int = 0
-    started: float = 0.0
-    future: SidecarFuture | None = None
-    manifest: rc.Manifest | None = None
     meta: _Found | None = None
-    task_id: str | None = None
     checkpoint_id: int | None = None
-    num_tokens: int = 0
     admission: bool = False
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -149,33 +138,33 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         *,
         identity: Mapping[str, Any],
         world_size: int,
-        chunk_tokens: int = 4096,
-        lookup_timeout: float = 60.0,
+        chunk_tokens: int = OPTION_DEFAULTS["chunk_tokens"],
+        lookup_timeout: float = OPTION_DEFAULTS["lookup_timeout"],
         begin_timeout: float | None = None,
-        max_lookup_attempts: int = 4,
-        max_tasks: int = 64,
+        max_lookup_attempts: int = OPTION_DEFAULTS["max_lookup_attempts"],
+        max_tasks: int = OPTION_DEFAULTS["max_tasks"],
         max_in_flight: int | None = None,
         task_timeout: float | None = None,
         layout_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if manager.boundary_checkpoints is None:
+            raise ValueError("the KV cache manager has no boundary-checkpoint cache")
         super().__init__(
             client,
             world_size,
+            # layout negotiation: every rank reports one layout before any lookup
+            identity={k: v for k, v in identity.items() if k != "layout"},
             begin_timeout=lookup_timeout if begin_timeout is None else begin_timeout,
+            lookup_timeout=lookup_timeout,
+            max_lookup_attempts=max_lookup_attempts,
+            layout_timeout=layout_timeout,
+            validate=_check_page_bytes,
             clock=clock,
         )
-        if max_lookup_attempts < 1:
-            raise ValueError("max_lookup_attempts must be at least 1")
-        if manager.boundary_checkpoints is None:
-            raise ValueError("the KV cache manager has no boundary-checkpoint cache")
         self._manager = manager
         self._cache = manager.boundary_checkpoints
-        self._identity: dict[str, Any] = dict(identity)
-        self._identity.pop("layout", None)
         self._chunk_tokens = chunk_tokens
-        self._lookup_timeout = lookup_timeout
-        self._max_attempts = max_lookup_attempts
         self._max_tasks = max_tasks
         # Tasks sent to the ranks and not yet reported by all of them: never
         # more than each rank's copy queue admits (lmcache_rc.max_copies_per_rank),
@@ -191,14 +180,6 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         self._block_sizes: tuple[int, ...] = tuple(
             int(managers[g].block_size) for g in range(len(groups))
         )
-        # layout negotiation: every rank reports one layout before any lookup
-        self._negotiation = LayoutNegotiation(
-            world_size,
-            self._identity,
-            timeout=layout_timeout,
-            clock=clock,
-            validate=_check_page_bytes,
-        )
         # requests, tasks
         self._lookups: dict[str, _Lookup] = {}
         self._cancelled: dict[str, set[str]] = {}
@@ -206,18 +187,8 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
     # ------------------------------------------------------------------ properties
 
     @property
-    def world_size(self) -> int:
-        """Number of worker ranks every task must hear from."""
-        return self._world_size
-
-    @property
     def _layout(self) -> dict[str, Any] | None:
         return self._negotiation.layout
-
-    @property
-    def layout(self) -> dict[str, Any] | None:
-        """The negotiated worker layout, or None while negotiation is open."""
-        return None if self._layout is None else dict(self._layout)
 
     @property
     def admission_api(self) -> bool:
@@ -230,10 +201,6 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         return self._layout is not None and not self._closed
 
     # ------------------------------------------------------------------ identity
-
-    def namespace(self, cache_salt: str | None) -> str:
-        """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
-        return self._negotiation.namespace(cache_salt)
 
     def _roots(self, request: Any, num_tokens: int | None = None) -> rc.TokenRoots:
         tokens = list(request.all_token_ids)
@@ -283,7 +250,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
             if lookup is None:
                 lookup = _Lookup(request_id=rid, phase=_DONE)
                 self._lookups[rid] = lookup
-                self._finish_lookup(lookup, "reused-id-timeout")
+                self._end(lookup, "reused-id-timeout")
             return lookup.phase == _DONE
         lookup = self._lookups.get(rid)
         if lookup is None:
@@ -295,7 +262,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         if lookup.phase == _RESTORING:
             return self._check_restore_timeout(lookup)
         if lookup.phase == _RETRY:
-            return self._send_find(request, lookup)
+            return self._find(request, lookup)
         return True
 
     def _cancelled_copies_timed_out(self, rid: str) -> bool:
@@ -324,40 +291,24 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
             lookup.reason = "local-hit"
             self._counters["lookup_local_complete"] += 1
             return True
-        return self._send_find(request, lookup)
+        return self._find(request, lookup)
 
-    def _send_find(self, request: Any, lookup: _Lookup) -> bool:
-        if lookup.attempts >= self._max_attempts:
-            return self._finish_lookup(lookup, "attempts-exhausted")
-        lookup.attempts += 1
-        lookup.started = self._clock()
-        lookup.manifest = None
+    def _find(self, request: Any, lookup: _Lookup) -> bool:
+        """Sends a FIND (False: parked while it runs)."""
         lookup.meta = None
-        try:
-            lookup.future = self._client.find_async(self._roots(request).roots)
-        except Exception as e:  # the sidecar is down or the request cannot be keyed
-            logger.warning("checkpoint lookup for %s failed to start: %s", lookup.request_id, e)
-            return self._finish_lookup(lookup, "find-error")
-        lookup.phase = _FINDING
-        self._counters["lookups"] += 1
-        return False
+        return not self._send_find(lookup, lambda: self._roots(request).roots)
 
     def _advance_find(self, request: Any, lookup: _Lookup) -> bool:
-        future = lookup.future
-        assert future is not None
-        outcome, found = poll_find(
-            future, lookup.started, self._lookup_timeout, self._clock(), lookup.request_id
-        )
-        if outcome == "pending":
+        answered, found = self._poll_find(lookup)
+        if not answered:
             return False
-        lookup.future = None
         if found is None:
-            return self._finish_lookup(lookup, outcome)
+            return True  # the lookup ended: recompute
         meta = self._validate_found(request, found)
         if meta is None:
-            return self._finish_lookup(lookup, "incompatible")
+            return self._end(lookup, "incompatible")
         if self._local_tokens(request) >= meta.num_tokens:
-            return self._finish_lookup(lookup, "local-at-least-as-long")
+            return self._end(lookup, "local-at-least-as-long")
         lookup.manifest = found
         lookup.meta = meta
         lookup.phase = _WAITING
@@ -416,7 +367,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         meta, manifest = lookup.meta, lookup.manifest
         assert meta is not None and manifest is not None
         if self._task_count() >= self._max_tasks:
-            return self._finish_lookup(lookup, "task-capacity")
+            return self._end(lookup, "task-capacity")
         kwargs: dict[str, Any] = {
             "draft_prefix_len": meta.draft_prefix_len,
             "kind": meta.kind,
@@ -430,23 +381,23 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
             )
         except ValueError as e:
             logger.warning("checkpoint reservation for %s refused: %s", lookup.request_id, e)
-            return self._finish_lookup(lookup, "reserve-refused")
+            return self._end(lookup, "reserve-refused")
         if ckpt is None:
             if self._admission:
                 lookup.admission = True  # a capacity waiter holds an admission record
                 expired = getattr(self._manager, "external_boundary_wait_expired", None)
                 if expired is not None and expired(lookup.request_id):
-                    return self._finish_lookup(lookup, "capacity-timeout")
+                    return self._end(lookup, "capacity-timeout")
                 self._counters["capacity_waits"] += 1
                 return False
-            return self._finish_lookup(lookup, "capacity")
+            return self._end(lookup, "capacity")
         lookup.admission = self._admission
         try:
             block_ids = self._task_block_ids(ckpt, meta.positions)
         except ValueError as e:  # the allocator answered a bundle we cannot name
             logger.error("reserved bundle for %s is malformed: %s", lookup.request_id, e)
             self._manager.discard_external_boundary_checkpoint(ckpt.checkpoint_id)
-            return self._finish_lookup(lookup, "reserve-malformed")
+            return self._end(lookup, "reserve-malformed")
         task = _Task(
             task_id=uuid.uuid4().hex,
             direction="RETRIEVE",
@@ -479,16 +430,16 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
             self._task_timeout,
         )
         lookup.task_id = None
-        return self._finish_lookup(lookup, "task-timeout")
+        return self._end(lookup, "task-timeout")
 
-    def _finish_lookup(self, lookup: _Lookup, reason: str) -> bool:
-        """Ends a lookup without an import: the request is admitted to recompute."""
-        lookup.phase = _DONE
-        lookup.reason = reason
-        lookup.future = None
-        self._counters[f"lookup_{reason}"] += 1
-        self._release_admission(lookup)
+    def _end(self, lookup: _Lookup, reason: str) -> bool:
+        """Ends a lookup without an import: True, the request is admitted to recompute."""
+        self._finish_lookup(lookup, reason)
         return True
+
+    def _lookup_ended(self, lookup: Lookup) -> None:
+        assert isinstance(lookup, _Lookup)
+        self._release_admission(lookup)
 
     def _release_admission(self, lookup: _Lookup) -> None:
         if lookup.admission:
@@ -507,6 +458,10 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         if ckpt.checkpoint_id != lookup.checkpoint_id:
             return 0
         return int(ckpt.num_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: see :meth:`on_allocated`."""
+        self.on_allocated(request)
 
     def on_allocated(self, request: Any) -> None:
         """``update_state_after_alloc``: a published import was admitted; the
@@ -631,10 +586,12 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         out.append(aux)
         return tuple(out)
 
-    def _drop_store(self, task: _Task, counter: str) -> None:
+    def _release_store(self, task: _Task) -> None:
         self._cache.release(task.checkpoint)
-        self._counters[counter] += 1
-        self._task_resolved(task)
+
+    def _cancel_unsent_restore(self, task: _Task) -> None:
+        del self._tasks[task.task_id]
+        self._manager.discard_external_boundary_checkpoint(task.checkpoint.checkpoint_id)
 
     # ------------------------------------------------------------------ per step
 
@@ -642,48 +599,10 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         """``build_connector_meta``: the tasks admitted since the last call, each once."""
         self._negotiation_settled()
         self._pump_begins()
-        now = self._clock()
-        out: list[CheckpointEngineTask] = []
-        in_flight = sum(1 for t in self._tasks.values() if t.sent)
-        unsent = [t for t in self._tasks.values() if not t.sent]  # oldest first
-        room = max(0, self._max_in_flight - in_flight)
-        for task in unsent[:room]:
-            task.sent = True
-            task.sent_at = now
-            out.append(task.engine_task())
-        if len(unsent) > room:
-            self._counters["tasks_deferred"] += len(unsent) - room  # sent in a later step
-        self._counters["tasks_sent"] += len(out)
-        return CheckpointConnectorMetadata(out)
+        return CheckpointConnectorMetadata(self._send_tasks(self._max_in_flight))
 
-    def update(self, connector_output: Any) -> None:
-        """``update_connector_output``: take layouts and rank results.
-
-        Raises ValueError on a protocol violation (different layouts, a rank
-        outside ``0..world_size-1``, a rank reporting one task twice, an
-        unknown task id): those are bugs or misconfiguration, not misses.
-        """
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if meta is None:
-            return
-        if not isinstance(meta, CheckpointWorkerMetadata):
-            raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
-        for rank, layout in sorted(meta.layouts.items()):
-            self._take_layout(rank, layout)
-        self._take_results(meta.results)
-
-    def _check_rank(self, rank: int) -> None:
-        check_rank(rank, self._world_size)
-
-    def _take_layout(self, rank: int, layout: Mapping[str, Any]) -> None:
-        self._negotiation.take(rank, layout)
-
-    def reset(self) -> None:
-        """``reset_cache``: this engine stops restoring anything stored before
-        (a new epoch enters its identity; a lookup in progress then fails its
-        exact-prefix check and recomputes)."""
-        self._negotiation.new_epoch()
-        self._counters["resets"] += 1
+    def _engine_task(self, task: _Task) -> CheckpointEngineTask:
+        return task.engine_task()
 
     def _negotiation_settled(self) -> bool:
         """False while layouts may still arrive; True once negotiated or given up."""
@@ -742,7 +661,9 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
 
     # ------------------------------------------------------------------ cancellation
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]] = ()
+    ) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished(_all_groups)``: forget the lookup, keep copies.
 
         Pages referenced by an admitted copy stay pinned until every rank
@@ -777,57 +698,25 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
     def _task_count(self) -> int:
         return len(self._tasks) + len(self._begins)
 
-    def has_pending_work(self) -> bool:
-        """``has_pending_push_work``: True while the engine must keep stepping."""
-        if self._closed:
-            return False
-        if not self._negotiation_settled():
-            return True
-        return bool(self._tasks or self._begins)
-
     def report_status(self) -> dict[str, Any]:
         """A snapshot for humans and tests: layout, requests, tasks, counters."""
-        phases = Counter(str(lookup.phase) for lookup in self._lookups.values())
-        directions = Counter(t.direction for t in self._tasks.values())
         return {
-            "world_size": self._world_size,
-            "layout_negotiated": self._layout is not None,
-            "layout_failed": self._negotiation.failed,
-            "layout_ranks": sorted(self._negotiation.reports),
+            **self._status(self._lookups.values()),
             "admission_api": self._admission,
-            "lookups": dict(phases),
-            "tasks": {
-                "STORE": directions.get("STORE", 0),
-                "RETRIEVE": directions.get("RETRIEVE", 0),
-                "unsent": sum(1 for t in self._tasks.values() if not t.sent),
-            },
-            "pending_begins": len(self._begins),
             "cancelled_request_ids": sorted(self._cancelled),
-            "counters": dict(sorted(self._counters.items())),
         }
 
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
+        """:meth:`report_status` as an HTML table."""
         return self._html("CheckpointSchedulerBridge")
+
+    def _repr_html_(self) -> str:
+        return self.html()
 
     def close(self) -> None:
         """Stop lookups and stores. Pending BEGINs are aborted and their pins
         released; tasks already sent keep their pins (workers may copy)."""
-        if self._closed:
-            return
-        self._closed = True
-        for pb in self._begins:
-            self._abort(pb.task.manifest.generation)
-            self._cache.release(pb.task.checkpoint)
-        self._begins = []
-        for lookup in self._lookups.values():
-            self._release_admission(lookup)
-        for task in list(self._tasks.values()):
-            if not task.sent:
-                del self._tasks[task.task_id]
-                if task.direction == "STORE":
-                    self._abort(task.manifest.generation)
-                    self._cache.release(task.checkpoint)
-                else:
-                    self._manager.discard_external_boundary_checkpoint(
-                        task.checkpoint.checkpoint_id
-                    )
+        if not self._closed:
+            for lookup in self._lookups.values():
+                self._release_admission(lookup)
+        super().close()

@@ -1,15 +1,21 @@
 """Scheduler-side pieces both modes share.
 
-What it owns: the restore state machine's phases (:class:`RestorePhase`),
+What it owns: the scheduler hooks the connector delegates to
+(:class:`SchedulerSide`: every hook with its "nothing to do" answer, which
+is also the side of a connector that is not bound or is disabled), the
+lookup state machine (:class:`Lookup`, FIND sent, polled, timed out or
+ended, in :class:`TaskBook`) and its phases (:class:`RestorePhase`),
 copy tasks and their bookkeeping up to the last rank's result
-(:class:`CopyTask`, :class:`TaskBook`),
+(:class:`CopyTask`, :class:`TaskBook`: BEGINs, ABORTs, results counted
+once, tasks sent within the ranks' copy bound, close),
 layout negotiation with the worker ranks (:class:`LayoutNegotiation`: every
 rank reports one address-free layout; all must agree before any lookup or
 store, because the layout is part of the namespace, I3), the namespace cache
 per cache salt, the canonical JSON that payloads and layouts are compared
 in, and which requests may use the sidecar at all (:func:`handles`).
 
-What it must never do: talk to the sidecar or to vLLM's allocator.
+What it must never do: block on the sidecar (every call is an ``*_async``
+future polled once per step) or touch vLLM's allocator.
 """
 
 from __future__ import annotations
@@ -19,19 +25,23 @@ import html
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import lmcache_rc as rc
-from lmcache_rc.vllm.api import Direction
+from lmcache_rc.vllm.api import CheckpointEngineTask, Direction
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
 
 __all__ = [
     "CopyTask",
+    "DisableConnector",
     "LayoutNegotiation",
+    "Lookup",
     "PendingBegin",
     "RestorePhase",
+    "SchedulerSide",
     "TaskBook",
     "canonical",
     "check_found_prefix",
@@ -61,6 +71,104 @@ class RestorePhase(enum.StrEnum):
     """The restore failed; the next ask looks up again (a shorter checkpoint)."""
     DONE = "done"
     """Nothing (more) to restore."""
+
+
+@dataclass(eq=False)
+class Lookup:
+    """One request's lookup and restore, the part both modes share (each
+    mode's record extends it). Identity by object, so a reused request id
+    never inherits another request's lookup."""
+
+    request_id: str
+    phase: RestorePhase
+    attempts: int = 0
+    """FINDs sent for this request."""
+    started: float = 0.0
+    """When the FIND in flight was sent (the clock's seconds)."""
+    future: SidecarFuture | None = None
+    manifest: rc.Manifest | None = None
+    """The usable FIND answer."""
+    num_tokens: int = 0
+    """Tokens of the checkpoint being restored."""
+    task_id: str | None = None
+    """The RETRIEVE task restoring it."""
+    reason: str = ""
+    """Why it ended (``lookup_<reason>`` is the counter)."""
+
+
+class DisableConnector(Exception):
+    """Raised by a scheduler side from a hook when this vLLM cannot serve it;
+    the connector disables itself with the message (and closes the side)."""
+
+
+class SchedulerSide:
+    """The scheduler hooks the connector delegates to, one method per vLLM
+    hook (the fork's boundary hooks included), each with its "nothing to do"
+    answer. This class itself is the side of a connector that is not bound
+    yet, disabled, or in the worker role; :class:`TaskBook` is the base of
+    the two modes' sides, each overriding what its mode does."""
+
+    bound = False
+    """Whether this side serves a bound cache (a mode's side)."""
+
+    def bind_block_pool(self, pool: Any) -> None:
+        """vLLM's block pool (upstream stores pin their sources in it)."""
+
+    def on_new_request(self, request: Any) -> None:
+        """A request arrived."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """``(0, False)``: nothing to restore."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated blocks for ``request``."""
+
+    def poll(self, request: Any) -> bool:
+        """``poll_boundary_checkpoint``: True, the request goes on."""
+        return True
+
+    def external_tokens(self, request: Any) -> int:
+        """``boundary_checkpoint_external_tokens``: 0."""
+        return 0
+
+    def store(self, request: Any, checkpoint: Any) -> bool:
+        """``store_boundary_checkpoint``: False, nothing stored."""
+        return False
+
+    def build_meta(self, scheduler_output: Any) -> CheckpointConnectorMetadata:
+        """No tasks."""
+        return CheckpointConnectorMetadata()
+
+    def update(self, connector_output: Any) -> None:
+        """Rank layouts and results: none expected."""
+
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]] = ()
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``(False, None)``: vLLM frees the blocks at once."""
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        """False: nothing keeps the engine stepping."""
+        return False
+
+    def reset(self) -> bool:
+        """``reset_cache``: False, nothing to reset."""
+        return False
+
+    def report_status(self) -> dict[str, Any]:
+        """Nothing to report beyond the connector's own fields."""
+        return {}
+
+    def html(self) -> str | None:
+        """An HTML table of :meth:`report_status`, or None (the connector shows JSON)."""
+        return None
+
+    def close(self) -> None:
+        """Stop."""
 
 
 def canonical(value: Any) -> bytes:
@@ -219,36 +327,131 @@ class PendingBegin(Generic[TaskT]):
     deadline: float
 
 
-class TaskBook(Generic[TaskT]):
-    """What both modes' scheduler sides do with copy tasks: BEGINs answered or
-    timed out, ABORTs in the background, per-rank results counted exactly once
-    until every rank reported. Subclasses say what a dropped store releases
-    (:meth:`_drop_store`) and what a completed task means (:meth:`_complete`).
+class TaskBook(SchedulerSide, Generic[TaskT]):
+    """What both modes' scheduler sides do: layout negotiation, the lookup
+    state machine (:meth:`_send_find`, :meth:`_poll_find`,
+    :meth:`_finish_lookup`), BEGINs answered or timed out, ABORTs in the
+    background, tasks sent within the ranks' copy bound, per-rank results
+    counted exactly once until every rank reported, and close. Subclasses
+    say what a dropped store releases (:meth:`_release_store`), what a
+    completed task means (:meth:`_complete`), and what ends with a lookup
+    (:meth:`_lookup_ended`).
     """
+
+    bound = True
 
     def __init__(
         self,
         client: SidecarClient,
         world_size: int,
         *,
+        identity: Mapping[str, Any],
         begin_timeout: float,
+        lookup_timeout: float,
+        max_lookup_attempts: int,
+        layout_timeout: float | None,
+        validate: Callable[[int, Mapping[str, Any]], None] | None,
         clock: Callable[[], float],
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if max_lookup_attempts < 1:
+            raise ValueError("max_lookup_attempts must be at least 1")
         self._client = NonBlockingSidecar(client)
         self._world_size = world_size
         self._begin_timeout = begin_timeout
+        self._lookup_timeout = lookup_timeout
+        self._max_attempts = max_lookup_attempts
         self._clock = clock
+        self._negotiation = LayoutNegotiation(
+            world_size, identity, timeout=layout_timeout, clock=clock, validate=validate
+        )
         self._tasks: dict[str, TaskT] = {}
         self._begins: list[PendingBegin[TaskT]] = []
         self._background: list[SidecarFuture] = []
         self._counters: Counter[str] = Counter()
         self._closed = False
 
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def world_size(self) -> int:
+        """Number of worker ranks every task must hear from."""
+        return self._world_size
+
+    @property
+    def layout(self) -> dict[str, Any] | None:
+        """The negotiated worker layout, or None while negotiation is open."""
+        layout = self._negotiation.layout
+        return None if layout is None else dict(layout)
+
+    def namespace(self, cache_salt: str | None) -> str:
+        """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
+        return self._negotiation.namespace(cache_salt)
+
+    # ------------------------------------------------------------------ lookups
+
+    def _send_find(self, lookup: Lookup, roots: Callable[[], Iterable[rc.Prefix]]) -> bool:
+        """Sends a FIND for ``roots()``: True while it is in flight; False when
+        the lookup ended instead (attempts exhausted, FIND not sent)."""
+        if lookup.attempts >= self._max_attempts:
+            self._finish_lookup(lookup, "attempts-exhausted")
+            return False
+        lookup.attempts += 1
+        lookup.started = self._clock()
+        lookup.manifest = None
+        try:
+            lookup.future = self._client.find_async(roots())
+        except Exception as e:  # the sidecar is down or the request cannot be keyed
+            logger.warning("checkpoint lookup for %s failed to start: %s", lookup.request_id, e)
+            self._finish_lookup(lookup, "find-error")
+            return False
+        lookup.phase = RestorePhase.FINDING
+        self._counters["lookups"] += 1
+        return True
+
+    def _poll_find(self, lookup: Lookup) -> tuple[bool, rc.Manifest | None]:
+        """Where the FIND in flight stands: ``(False, None)`` while pending;
+        ``(True, manifest)`` answered; ``(True, None)`` when it gave nothing
+        (miss, timeout, error: the lookup ended)."""
+        future = lookup.future
+        assert future is not None
+        outcome, found = poll_find(
+            future, lookup.started, self._lookup_timeout, self._clock(), lookup.request_id
+        )
+        if outcome == "pending":
+            return False, None
+        lookup.future = None
+        if found is None:
+            self._finish_lookup(lookup, outcome)
+        return True, found
+
+    def _finish_lookup(self, lookup: Lookup, reason: str) -> None:
+        """Ends a lookup without a restore (counted as ``lookup_<reason>``)."""
+        lookup.phase = RestorePhase.DONE
+        lookup.reason = reason
+        lookup.future = None
+        self._counters[f"lookup_{reason}"] += 1
+        self._lookup_ended(lookup)
+
+    def _lookup_ended(self, lookup: Lookup) -> None:
+        """What a mode releases when a lookup ends without a restore."""
+
+    def _release_store(self, task: TaskT) -> None:
+        """What a store that ended (or will not run) releases."""
+        raise NotImplementedError
+
     def _drop_store(self, task: TaskT, counter: str) -> None:
         """A store that will not run: release what it holds, count ``counter``."""
-        raise NotImplementedError
+        self._release_store(task)
+        self._counters[counter] += 1
+        self._task_resolved(task)
+
+    def _task_resolved(self, task: TaskT) -> None:
+        """``task`` ended (completed or dropped)."""
+
+    def _cancel_unsent_restore(self, task: TaskT) -> None:
+        """At close: a restore never sent to the ranks (kept by default)."""
 
     def _complete(self, task: TaskT) -> None:
         """Every rank reported ``task``."""
@@ -316,9 +519,103 @@ class TaskBook(Generic[TaskT]):
                 del self._tasks[task.task_id]
                 self._complete(task)
 
-    def report_status(self) -> dict[str, Any]:
-        """A snapshot for humans and tests."""
+    # ------------------------------------------------------------------ per step
+
+    def _send_tasks(self, room: int, *, restores_first: bool = False) -> list[CheckpointEngineTask]:
+        """The unsent tasks that fit ``room`` more at the ranks (oldest first,
+        restores before stores if ``restores_first``), marked sent, each once;
+        the rest wait a step (``tasks_deferred``)."""
+        now = self._clock()
+        unsent = [t for t in self._tasks.values() if not t.sent]
+        if restores_first:
+            unsent.sort(key=lambda t: t.direction != "RETRIEVE")
+        room = max(0, room - sum(1 for t in self._tasks.values() if t.sent))
+        out: list[CheckpointEngineTask] = []
+        for task in unsent[:room]:
+            task.sent = True
+            task.sent_at = now
+            out.append(self._engine_task(task))
+        if len(unsent) > room:
+            self._counters["tasks_deferred"] += len(unsent) - room  # sent in a later step
+        self._counters["tasks_sent"] += len(out)
+        return out
+
+    def _engine_task(self, task: TaskT) -> CheckpointEngineTask:
+        """The task as the worker ranks receive it."""
         raise NotImplementedError
+
+    def update(self, connector_output: Any) -> None:
+        """``update_connector_output``: take layouts and rank results.
+
+        Raises ValueError on a protocol violation (different layouts, a rank
+        outside ``0..world_size-1``, a rank reporting one task twice, an
+        unknown task id): those are bugs or misconfiguration, not misses.
+        """
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is None:
+            return
+        if not isinstance(meta, CheckpointWorkerMetadata):
+            raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
+        for rank, layout in sorted(meta.layouts.items()):
+            self._negotiation.take(rank, layout)
+        self._take_results(meta.results)
+
+    def reset(self) -> bool:
+        """``reset_cache``: this engine stops restoring anything stored before
+        (a new epoch enters its identity). True."""
+        epoch = self._negotiation.new_epoch()
+        self._counters["resets"] += 1
+        logger.info("lmcache-rc: connector cache reset; identity epoch %d", epoch)
+        return True
+
+    def has_pending_work(self) -> bool:
+        """``has_pending_push_work``: True while layouts are negotiated or
+        BEGINs and tasks are outstanding (results only arrive on engine steps)."""
+        if self._closed:
+            return False
+        if not self._negotiation.settled():
+            return True
+        return bool(self._tasks or self._begins)
+
+    def _status(self, lookups: Iterable[Lookup]) -> dict[str, Any]:
+        """The part of a status both modes report."""
+        phases = Counter(str(lookup.phase) for lookup in lookups)
+        directions = Counter(t.direction for t in self._tasks.values())
+        return {
+            "world_size": self._world_size,
+            "layout_negotiated": self._negotiation.layout is not None,
+            "layout_failed": self._negotiation.failed,
+            "layout_ranks": sorted(self._negotiation.reports),
+            "lookups": dict(phases),
+            "tasks": {
+                "STORE": directions.get("STORE", 0),
+                "RETRIEVE": directions.get("RETRIEVE", 0),
+                "unsent": sum(1 for t in self._tasks.values() if not t.sent),
+            },
+            "pending_begins": len(self._begins),
+            "counters": dict(sorted(self._counters.items())),
+        }
+
+    def close(self) -> None:
+        """Stop lookups and stores. Pending BEGINs are aborted and what they
+        hold released; unsent stores too; tasks already sent keep theirs
+        (workers may copy)."""
+        if self._closed:
+            return
+        self._closed = True
+        for pb in self._begins:
+            self._abort(pb.task.manifest.generation)
+            self._release_store(pb.task)
+        self._begins = []
+        for task in list(self._tasks.values()):
+            if task.sent:
+                continue
+            if task.direction == "STORE":
+                del self._tasks[task.task_id]
+                self._abort(task.manifest.generation)
+                self._release_store(task)
+            else:
+                self._cancel_unsent_restore(task)
 
     def _html(self, caption: str) -> str:
         rows = []

@@ -17,13 +17,23 @@ and the choice of mode (``lmcache_rc.vllm_api``):
   upstream when it offers the 0.33 hooks, else the connector disables
   itself with one log line saying why.
 
-vLLM builds one instance per worker rank (role WORKER, delegating to
-:class:`lmcache_rc.vllm.worker.WorkerSide`) and one in the scheduler (role
-SCHEDULER, delegating to the mode's scheduler object).
+vLLM builds one instance per worker rank (role WORKER) and one in the
+scheduler (role SCHEDULER). Each instance holds two side objects and
+delegates every hook to them without asking the mode again: a scheduler
+side (:class:`lmcache_rc.vllm.common.SchedulerSide`; the mode's
+:class:`~lmcache_rc.vllm.upstream.UpstreamScheduler` or
+:class:`~lmcache_rc.vllm.boundary.CheckpointSchedulerBridge`, chosen once
+when vLLM binds its cache) and a worker side
+(:class:`lmcache_rc.vllm.worker.WorkerHooks`; the mode's
+:class:`~lmcache_rc.vllm.worker.WorkerSide` or
+:class:`~lmcache_rc.vllm.worker.UpstreamWorkerSide`, chosen when the rank's
+connector is built). Until then, in the other role and when disabled, a side
+is the base class, whose every hook answers "nothing to do".
 
 What it must never do: import vLLM or torch unconditionally (both are
-optional), hold logic of its own beyond dispatch, or let a mode mismatch
-between processes pass silently (rank layouts carry the mode's format).
+optional), hold logic of its own beyond choosing the sides and delegating,
+or let a mode mismatch between processes pass silently (rank layouts carry
+the mode's format).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ from lmcache_rc.vllm.api import (
     worker_rank,
 )
 from lmcache_rc.vllm.boundary import CheckpointSchedulerBridge
+from lmcache_rc.vllm.common import DisableConnector, SchedulerSide
 from lmcache_rc.vllm.identity import checkpoint_identity
 from lmcache_rc.vllm.local import LocalEngine, forget, local_engine
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
@@ -70,7 +81,7 @@ from lmcache_rc.vllm.options import (
 from lmcache_rc.vllm.sidecar import SidecarClient, connect
 from lmcache_rc.vllm.support import refusal
 from lmcache_rc.vllm.upstream import UpstreamScheduler
-from lmcache_rc.vllm.worker import WorkerSide
+from lmcache_rc.vllm.worker import UpstreamWorkerSide, WorkerHooks, WorkerSide
 
 __all__ = ["LMCacheRecurrentCheckpointConnector", "resolve_mode", "upstream_problems"]
 
@@ -187,11 +198,14 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         self._mode = resolve_mode(self._options.vllm_api)
         self._disabled = ""
         self._block_pool: Any = None
-        self._bridge: CheckpointSchedulerBridge | None = None
-        self._upstream: UpstreamScheduler | None = None
         self._client: SidecarClient | None = None
-        self._worker_side: WorkerSide | None = None
         self._local: LocalEngine | None = None
+        # The two sides every hook delegates to, chosen once: the scheduler's
+        # when vLLM binds its cache (bind_kv_cache_manager,
+        # bind_boundary_checkpoint_cache), a rank's here. Until then, and when
+        # disabled, each is the side with nothing to do.
+        self._scheduler: SchedulerSide = SchedulerSide()
+        self._worker_side: WorkerHooks = WorkerHooks()
         if self._mode is None and VLLM_AVAILABLE:
             self._disable(
                 "the installed vLLM offers neither the fork's boundary checkpoints nor "
@@ -201,8 +215,15 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         if refused is not None:
             # one line per engine: the scheduler says it, the ranks stay quiet
             self._disable(refused, log=self._is_scheduler)
-        if self._mode == "upstream" and not self._is_scheduler and not self._disabled:
-            self._worker_side = self._new_worker_side()
+        if not self._is_scheduler and not self._disabled:
+            # boundary mode, and auto until the fork's hook, bind the fork's pool
+            side = UpstreamWorkerSide if self._mode == "upstream" else WorkerSide
+            self._worker_side = side(
+                self._options,
+                rank=worker_rank(vllm_config),
+                world_size=self._world_size,
+                factory=type(self).worker_factory,
+            )
         if self._mode == "upstream" and self._is_scheduler and not self._disabled:
             problems = upstream_problems(vllm_config, kv_cache_config)
             if problems:
@@ -224,17 +245,6 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             self._disabled = why
             if log:
                 logger.warning("lmcache-rc connector disabled: %s", why)
-
-    def _new_worker_side(self) -> WorkerSide:
-        rank = worker_rank(self._vllm_config)
-        if not 0 <= rank < self._world_size:
-            raise ValueError(f"worker rank {rank} is outside 0..{self._world_size - 1}")
-        return WorkerSide(
-            self._options,
-            rank=rank,
-            world_size=self._world_size,
-            factory=type(self).worker_factory,
-        )
 
     # ------------------------------------------------------------------ configuration
 
@@ -310,21 +320,24 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
     @property
     def bridge(self) -> CheckpointSchedulerBridge | None:
         """The boundary-mode scheduler bridge (after the fork bound its cache)."""
-        return self._bridge
+        side = self._scheduler
+        return side if isinstance(side, CheckpointSchedulerBridge) else None
 
     @property
     def upstream(self) -> UpstreamScheduler | None:
         """The upstream-mode scheduler side (after vLLM bound its cache manager)."""
-        return self._upstream
+        side = self._scheduler
+        return side if isinstance(side, UpstreamScheduler) else None
 
     @property
     def worker_side(self) -> WorkerSide | None:
-        """This rank's worker side (worker role)."""
-        return self._worker_side
+        """This rank's worker side (worker role, not disabled)."""
+        side = self._worker_side
+        return side if isinstance(side, WorkerSide) else None
 
     @property
     def _worker(self) -> Any:
-        return None if self._worker_side is None else self._worker_side.worker
+        return self._worker_side.worker
 
     # ------------------------------------------------------------------ worker side
 
@@ -334,15 +347,12 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         Raises when the transport cannot serve (a layout it cannot describe,
         the sidecar unreachable), so a misconfiguration fails at start-up.
         """
-        if self._mode != "upstream" or self._disabled or self._worker_side is None:
-            return
-        if self._kv_config is None:
-            raise ValueError("upstream mode needs the KVCacheConfig vLLM passes to the connector")
-        self._worker_side.bind_kv_caches(kv_caches, self._kv_config)
-        local = local_engine(self._vllm_config, self._world_size)
-        if local is not None:
-            local.add_worker(self._worker_side.rank, self._worker_side)
-            self._local = local
+        side = self._worker_side
+        if side.register_kv_caches(kv_caches, self._kv_config) and isinstance(side, WorkerSide):
+            local = local_engine(self._vllm_config, self._world_size)
+            if local is not None:
+                local.add_worker(side.rank, side)
+                self._local = local
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
         """Not used (``prefer_cross_layer_blocks`` is False)."""
@@ -361,35 +371,18 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """
         if self._mode is None and not self._disabled:
             self._mode = "boundary"
-        if self._mode != "boundary" or self._disabled:
-            return
-        if self._worker_side is not None and self._worker_side.bound:
-            raise RuntimeError("bind_boundary_checkpoint_state was called twice")
-        if self._worker_side is None:
-            self._worker_side = self._new_worker_side()
-        layout = dict(state.get_external_checkpoint_layout())
-        page_bytes = layout.get("page_bytes")
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
-            raise ValueError("the checkpoint layout must name a positive integer page_bytes")
-        initialize = getattr(state, "initialize_external_checkpoint_layout", None)
-        if initialize is not None:
-            initialize(layout)  # binds hidden-state views before the first forward
-        self._worker_side.bind_boundary_pool(layout, state.get_external_checkpoint_page_pool())
+        self._worker_side.bind_boundary_state(state)
 
     @_serialized
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Submits this step's restores (boundary mode: every task) exactly once.
 
         A failure creating the event or submitting marks only that task
-        failed (reported False); a task id seen twice is a RuntimeError.
+        failed (reported False); a task id delivered twice raises
+        ``lmcache_rc.worker.DuplicateTask``. Tasks before any bind are
+        recorded, and the worker metadata raises.
         """
-        meta = self._connector_metadata
-        if not isinstance(meta, CheckpointConnectorMetadata) or not meta.tasks:
-            return
-        if self._worker_side is None:
-            # tasks before any bind: recorded, and the worker metadata raises
-            self._worker_side = self._new_worker_side()
-        self._worker_side.take(meta, stores_later=self._mode == "upstream")
+        self._worker_side.take(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """No-op: restores are asynchronous; vLLM waits for ``finished_recving``."""
@@ -402,10 +395,9 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
     @_serialized
     def wait_for_save(self) -> None:
         """Upstream mode: submit this step's stores (their bytes are final now)."""
-        if self._worker_side is not None and self._mode == "upstream":
-            meta = self._connector_metadata
-            step = meta.step if isinstance(meta, CheckpointConnectorMetadata) else 0
-            self._worker_side.submit_stores(step)
+        meta = self._connector_metadata
+        step = meta.step if isinstance(meta, CheckpointConnectorMetadata) else 0
+        self._worker_side.wait_for_save(step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(None, None)``: results travel by :meth:`get_transfer_results` only,
@@ -421,9 +413,9 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             KVConnectorTransferResults,
         )
 
-        if self._worker_side is None or self._mode != "upstream":
-            return KVConnectorTransferResults()
         results = self._worker_side.transfer_results()
+        if results is None:
+            return KVConnectorTransferResults()
         return KVConnectorTransferResults(
             finished_recving=results.finished_recving,
             failed_recving=results.failed_recving,
@@ -433,8 +425,6 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Test hook (worker role): the next ``count`` copies of this rank ``"fail"``
         (recoverable: the task reports False), turn ``"unsafe"``, or are held
         ``delay`` seconds (``"delay"``)."""
-        if self._worker_side is None:
-            raise RuntimeError("inject_fault is a worker-role hook")
         self._worker_side.inject_fault(kind, count, delay)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -448,8 +438,6 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         Raises RuntimeError when tasks arrived but the rank was never bound,
         and ``errors.UnsafeCopy`` when a copy may still be in flight.
         """
-        if self._worker_side is None:
-            return None
         return self._worker_side.worker_meta()
 
     # ------------------------------------------------------------------ scheduler side
@@ -469,7 +457,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         return client
 
     def bind_kv_cache_manager(self, kv_cache_manager: UpstreamKVCacheManager) -> None:
-        """vLLM (scheduler): the cache manager is built; upstream mode connects here."""
+        """vLLM (scheduler): the cache manager is built; upstream mode binds its side here."""
         parent = getattr(super(), "bind_kv_cache_manager", None)
         if parent is not None:
             parent(kv_cache_manager)
@@ -479,10 +467,10 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             if self._options.vllm_api == "auto":
                 self._mode = "boundary"  # the fork: it calls bind_boundary_checkpoint_cache
             return
-        if self._mode != "upstream" or self._disabled or self._upstream is not None:
+        if self._mode != "upstream" or self._disabled or self._scheduler.bound:
             return
         o = self._options
-        self._upstream = UpstreamScheduler(
+        side = UpstreamScheduler(
             self._connect(),
             self._kv_config if self._kv_config is not None else kv_cache_manager.kv_cache_config,
             o,
@@ -490,10 +478,11 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             world_size=self._world_size,
             clock=self.clock,
         )
-        self._upstream.bind_block_pool(kv_cache_manager.block_pool)
+        side.bind_block_pool(kv_cache_manager.block_pool)
+        self._scheduler = side
         local = local_engine(self._vllm_config, self._world_size)
         if local is not None:
-            local.set_scheduler(self._upstream, o.idle_flush)
+            local.set_scheduler(side, o.idle_flush)
             self._local = local
         logger.info(
             "lmcache-rc connector: upstream mode, sidecar %s, %d worker ranks",
@@ -504,8 +493,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keeps the block pool (upstream stores pin their sources in it)."""
         self._block_pool = gpu_block_pool
-        if self._upstream is not None:
-            self._upstream.bind_block_pool(gpu_block_pool)
+        self._scheduler.bind_block_pool(gpu_block_pool)
 
     def bind_boundary_checkpoint_cache(self, manager: Any) -> None:
         """Fork hook (scheduler): take the allocator and connect to the sidecar."""
@@ -513,10 +501,10 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             self._mode = "boundary"
         if self._mode != "boundary" or self._disabled:
             return
-        if self._bridge is not None:
+        if self._scheduler.bound:
             raise RuntimeError("bind_boundary_checkpoint_cache was called twice")
         o = self._options
-        self._bridge = CheckpointSchedulerBridge(
+        self._scheduler = CheckpointSchedulerBridge(
             self._connect(),
             manager,
             identity=checkpoint_identity(self._vllm_config, o),
@@ -534,17 +522,16 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
 
     def poll_boundary_checkpoint(self, request: Any) -> bool:
         """Fork hook: False parks ``request`` this step (lookup or import pending)."""
-        return True if self._bridge is None else self._bridge.poll(request)
+        return self._scheduler.poll(request)
 
     def boundary_checkpoint_external_tokens(self, request: Any) -> int:
         """Fork hook: tokens of the local hit that an import published for this request."""
-        return 0 if self._bridge is None else self._bridge.external_tokens(request)
+        return self._scheduler.external_tokens(request)
 
     @_serialized
     def on_new_request(self, request: Request) -> None:
         """vLLM: a request arrived (upstream stores need its tokens later)."""
-        if self._upstream is not None:
-            self._upstream.on_new_request(request)
+        self._scheduler.on_new_request(request)
 
     @_serialized
     def get_num_new_matched_tokens(
@@ -553,9 +540,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """Upstream: ``(None, False)`` while looking up, ``(n, True)`` to restore
         asynchronously. Boundary mode: ``(0, False)`` (imports are published
         into the local cache instead)."""
-        if self._upstream is None:
-            return 0, False
-        return self._upstream.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     @_serialized
     def update_state_after_alloc(
@@ -563,40 +548,27 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
     ) -> None:
         """Upstream: a RETRIEVE task into the allocated blocks. Boundary: the
         published import was admitted."""
-        if self._upstream is not None:
-            self._upstream.update_state_after_alloc(request, blocks, num_external_tokens)
-        elif self._bridge is not None:
-            self._bridge.on_allocated(request)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def store_boundary_checkpoint(self, request: Any, checkpoint: Any) -> None:
         """Fork hook: export a committed local checkpoint (may skip silently)."""
-        if self._bridge is not None:
-            self._bridge.store(request, checkpoint)
+        self._scheduler.store(request, checkpoint)
 
     @_serialized
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's new copy tasks, each emitted exactly once."""
-        if self._upstream is not None:
-            if not hasattr(scheduler_output, "kv_connector_block_state"):
-                self._disable(
-                    "the scheduler output has no kv_connector_block_state: this vLLM does not "
-                    "offer boundary states to connectors (vLLM 0.33 or later is needed)"
-                )
-                self._upstream.close()
-                self._upstream = None
-                return CheckpointConnectorMetadata()
-            return self._upstream.build_meta(scheduler_output)
-        if self._bridge is not None:
-            return self._bridge.build_meta(scheduler_output)
-        return CheckpointConnectorMetadata()
+        try:
+            return self._scheduler.build_meta(scheduler_output)
+        except DisableConnector as e:
+            self._disable(str(e))
+            side, self._scheduler = self._scheduler, SchedulerSide()
+            side.close()
+            return CheckpointConnectorMetadata()
 
     @_serialized
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Rank layouts and results: negotiate, publish, discard, release."""
-        if self._upstream is not None:
-            self._upstream.update(connector_output)
-        elif self._bridge is not None:
-            self._bridge.update(connector_output)
+        self._scheduler.update(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -610,18 +582,12 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
     ) -> tuple[bool, dict[str, Any] | None]:
         """Upstream: store the response state (its blocks are pinned, so vLLM
         frees at once). Boundary: cancel the lookup. Always ``(False, None)``."""
-        if self._upstream is not None:
-            return self._upstream.request_finished(request, block_ids)
-        if self._bridge is not None:
-            return self._bridge.request_finished(request)
-        return False, None
+        return self._scheduler.request_finished(request, block_ids)
 
     @_serialized
     def has_pending_push_work(self) -> bool:
         """True while layouts are negotiated or stores/copies are outstanding."""
-        if self._upstream is not None:
-            return self._upstream.has_pending_work()
-        return self._bridge is not None and self._bridge.has_pending_work()
+        return self._scheduler.has_pending_work()
 
     def take_events(self) -> Iterable[Any]:
         """No KV events."""
@@ -656,11 +622,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         identity). The sidecar is shared, so nothing is deleted there; clear it
         with ``lmcache-rc clear``. Changed weights still need a new
         ``target_revision``: the epoch does not survive a restart."""
-        side = self._upstream or self._bridge
-        if side is None:
-            return None
-        side.reset()
-        return True
+        return True if self._scheduler.reset() else None
 
     # ------------------------------------------------------------------ both
 
@@ -675,26 +637,22 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             "options": asdict(self._options),
         }
         if self._is_scheduler:
-            base["bound"] = self._bridge is not None or self._upstream is not None
-            if self._upstream is not None:
-                base.update(self._upstream.report_status())
-            elif self._bridge is not None:
-                base.update(self._bridge.report_status())
+            base["bound"] = self._scheduler.bound
+            base.update(self._scheduler.report_status())
             return base
         side = self._worker_side
         base.update(
-            rank=None if side is None else side.rank,
-            bound=side is not None and side.bound,
-            in_flight=0 if side is None else side.in_flight(),
-            unsafe=side is not None and side.is_unsafe(),
+            rank=side.rank,
+            bound=side.bound,
+            in_flight=side.in_flight(),
+            unsafe=side.is_unsafe(),
         )
         return base
 
     def _repr_html_(self) -> str:
-        if self._upstream is not None:
-            return self._upstream._repr_html_()
-        if self._bridge is not None:
-            return self._bridge._repr_html_()
+        html = self._scheduler.html()
+        if html is not None:
+            return html
         return f"<pre>{json.dumps(self.report_status(), indent=1, default=str)}</pre>"
 
     def shutdown(self) -> None:
@@ -704,22 +662,18 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         ``errors.UnsafeCopy``: the process must exit without unmapping.
         """
         local, self._local = self._local, None
-        if local is not None and self._worker_side is not None:
+        if local is not None and not self._is_scheduler:
             # the engine's forwards have ended: its begun stores go to the ranks
             # before the copies drain (vLLM shuts the workers down first)
             o = self._options
             local.flush(min(o.begin_timeout, o.close_timeout or o.begin_timeout))
-        if self._bridge is not None:
-            self._bridge.close()
-        if self._upstream is not None:
-            if local is not None:
-                with local.call():
-                    self._upstream.close()
-                forget(local)
-            else:
-                self._upstream.close()
+        if local is not None and self._is_scheduler:
+            with local.call():
+                self._scheduler.close()
+            forget(local)
+        else:
+            self._scheduler.close()
         if self._client is not None:
             client, self._client = self._client, None
             client.close()
-        if self._worker_side is not None:
-            self._worker_side.close()
+        self._worker_side.close()

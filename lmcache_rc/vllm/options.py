@@ -1,8 +1,10 @@
 """The connector's options: ``kv_connector_extra_config`` under ``lmcache_rc.``.
 
-What it owns: every option name, default and validation rule
-(:data:`OPTION_DEFAULTS`, :class:`ConnectorOptions`, :func:`parse_options`),
-shared by both modes and both roles. A typo is an error that names the
+What it owns: every option name, kind, default, validation rule and
+meaning, written once in :data:`OPTIONS`; :data:`OPTION_DEFAULTS`,
+:class:`ConnectorOptions`, :func:`parse_options` and the option tables of
+``docs/vllm.md`` (:func:`option_table`, via ``ci/gen_option_docs.py``) are
+derived from it, shared by both modes and both roles. A typo is an error that names the
 option; keys without the prefix belong to other connectors and are ignored.
 
 What it must never do: import vLLM, or accept a value it would later
@@ -21,57 +23,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_rc import errors
+from lmcache_rc._native import TokenRoots
 from lmcache_rc.config import default_socket_path
+from lmcache_rc.worker import (
+    DEFAULT_COPY_WORKERS,
+    DEFAULT_MAX_COPIES_IN_FLIGHT,
+    DEFAULT_RPC_TIMEOUT,
+)
 
 __all__ = [
     "DEPRECATED_OPTIONS",
+    "OPTIONS",
+    "OPTION_BY_NAME",
     "OPTION_DEFAULTS",
     "OPTION_PREFIX",
     "STORE_PROMPT",
     "VLLM_APIS",
     "ConnectorOptions",
     "InvalidConnectorConfig",
+    "Option",
     "extra_config",
     "is_speculative",
+    "option_table",
     "parse_options",
 ]
 
 OPTION_PREFIX = "lmcache_rc."
 """Prefix of every option of this connector in ``kv_connector_extra_config``."""
-
-OPTION_DEFAULTS: Mapping[str, Any] = {
-    "socket": None,  # None: lmcache_rc.config.default_socket_path()
-    "checkpoint_identity": None,  # required
-    "lookup_timeout": 60.0,
-    "begin_timeout": 60.0,
-    "rpc_timeout": 30.0,
-    "connect_timeout": 10.0,
-    "max_lookup_attempts": 4,
-    "copy_workers": 2,
-    "max_copies_per_rank": 16,
-    "chunk_tokens": 4096,
-    "max_tasks": 64,
-    "task_timeout": 300.0,
-    "layout_timeout": 300.0,
-    "close_timeout": 180.0,
-    "idle_flush": 0.05,
-    "vllm_api": "auto",
-    "store_prompt": "last",
-    "store_response": True,
-}
-"""Every option (without the ``lmcache_rc.`` prefix) and its default."""
-
-DEPRECATED_OPTIONS: Mapping[str, tuple[str, str]] = {
-    "max_pending": (
-        "max_copies_per_rank",
-        "it bounds the copies queued or running per worker rank; the sidecar's "
-        "--max-pending is another setting",
-    ),
-}
-"""Old option names (without the prefix) still accepted, each with a
-``FutureWarning``: the option each is now, and why it was renamed.
-``max_pending`` shared its name with ``lmcache-rc serve --max-pending``
-(generations pending publication in the sidecar's directory)."""
 
 VLLM_APIS = ("auto", "boundary", "upstream")
 """Values of ``lmcache_rc.vllm_api``."""
@@ -90,83 +68,313 @@ class InvalidConnectorConfig(errors.InvalidInput):
     """
 
 
+def _bad(name: str, why: str) -> InvalidConnectorConfig:
+    return InvalidConnectorConfig(f"kv_connector_extra_config option {OPTION_PREFIX}{name} {why}")
+
+
+_KINDS: Mapping[str, type] = {
+    "seconds": float,
+    "integer": int,
+    "choice": str,
+    "boolean": bool,
+    "socket": str,
+    "identity": dict,
+}
+"""Each option kind and the Python type its parsed value has."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One row of :data:`OPTIONS`: everything written about one option."""
+
+    name: str
+    """Its name without the ``lmcache_rc.`` prefix."""
+    kind: str
+    """``seconds`` (a non-negative number), ``integer`` (in ``low..high``),
+    ``choice`` (one of ``choices``), ``boolean``, ``socket`` or ``identity``
+    (parsed by :func:`parse_options` itself)."""
+    default: Any
+    doc: str
+    """What it means (both modes), for ``docs/vllm.md``."""
+    low: int = 0
+    high: int = 0
+    choices: tuple[str, ...] = ()
+    zero: str = ""
+    """``seconds``: what 0 means (empty: 0 is refused)."""
+    shown: str = ""
+    """The default as the docs show it, when it is not the value itself."""
+    upstream: str = ""
+    """What it means in upstream mode, when not :attr:`doc`."""
+    boundary: str = ""
+    """What it means in boundary mode, when not :attr:`doc`."""
+
+    @property
+    def type(self) -> type:
+        """The type of the parsed value."""
+        return _KINDS[self.kind]
+
+    def parse(self, value: Any) -> Any:
+        """The validated value; :class:`InvalidConnectorConfig` naming the option."""
+        name = self.name
+        if self.kind == "seconds":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _bad(name, f"must be a number of seconds, got {value!r}")
+            v = float(value)
+            if not math.isfinite(v) or v < 0 or (v == 0 and not self.zero):
+                raise _bad(name, f"must be a positive number of seconds, got {value!r}")
+            return v
+        if self.kind == "integer":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _bad(name, f"must be an integer, got {value!r}")
+            if not self.low <= value <= self.high:
+                raise _bad(name, f"must be in {self.low}..{self.high}, got {value}")
+            return value
+        if self.kind == "choice":
+            if not isinstance(value, str) or value not in self.choices:
+                allowed = ", ".join(repr(a) for a in self.choices)
+                raise _bad(name, f"must be one of {allowed}, got {value!r}")
+            return value
+        if self.kind == "boolean":
+            if not isinstance(value, bool):
+                raise _bad(name, f"must be true or false, got {value!r}")
+            return value
+        raise TypeError(f"option {name} ({self.kind}) is parsed by parse_options")
+
+    def shown_default(self) -> str:
+        """The default as ``docs/vllm.md`` shows it."""
+        if self.shown:
+            return self.shown
+        d = self.default
+        if self.kind == "seconds":
+            text = f"{d:g} s"
+            return f"{text} (0 = {self.zero})" if self.zero else text
+        if isinstance(d, bool):
+            return f"`{str(d).lower()}`"
+        if isinstance(d, str):
+            return f"`{d}`"
+        return str(d)
+
+    def meaning(self, mode: str) -> str:
+        """What it means in ``mode`` (``upstream`` or ``boundary``)."""
+        special = self.upstream if mode == "upstream" else self.boundary
+        return special or self.doc
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "socket",
+        "socket",
+        None,
+        "Unix socket of the sidecar",
+        shown="the sidecar's default socket (`$XDG_RUNTIME_DIR/lmcache-rc/sidecar.sock`, "
+        "else `/tmp/lmcache-rc-<uid>/sidecar.sock`)",
+    ),
+    Option(
+        "checkpoint_identity",
+        "identity",
+        None,
+        "the revisions of the weights (and of the draft model) stored states belong to",
+        shown="**required**",
+        upstream='`{"target_revision", "source_revision", "draft_revision"}` (a mapping, or '
+        'the same as a JSON string); each 40/64 hex or `"auto"` (§A.3)',
+        boundary='`{"target_revision", "source_revision", "draft_revision"}` (a mapping, or '
+        "the same as a JSON string); see §B.3",
+    ),
+    Option(
+        "vllm_api",
+        "choice",
+        "auto",
+        "`auto`, `upstream` or `boundary`",
+        choices=VLLM_APIS,
+    ),
+    Option(
+        "store_prompt",
+        "choice",
+        "last",
+        "`last`, `all` or `none` (§A.4)",
+        choices=STORE_PROMPT,
+        boundary="upstream mode only",
+    ),
+    Option(
+        "store_response",
+        "boolean",
+        True,
+        "store the state at the end of each finished request",
+        boundary="upstream mode only",
+    ),
+    Option(
+        "lookup_timeout",
+        "seconds",
+        60.0,
+        "how long a request waits for the directory's answer before it recomputes",
+    ),
+    Option(
+        "begin_timeout",
+        "seconds",
+        60.0,
+        "how long a store waits for the sidecar to accept it (BEGIN) before it is aborted",
+    ),
+    Option(
+        "rpc_timeout",
+        "seconds",
+        DEFAULT_RPC_TIMEOUT,
+        "timeout of each sidecar call (the scheduler's client and the workers' copy engines)",
+    ),
+    Option(
+        "connect_timeout",
+        "seconds",
+        10.0,
+        "how long the scheduler tries to connect to the sidecar at start-up",
+    ),
+    Option(
+        "max_lookup_attempts",
+        "integer",
+        4,
+        "lookups per request; after a failed restore the next lookup asks for a shorter checkpoint",
+        low=1,
+        high=64,
+    ),
+    Option(
+        "copy_workers",
+        "integer",
+        DEFAULT_COPY_WORKERS,
+        "copy threads per worker rank",
+        low=1,
+        high=64,
+    ),
+    Option(
+        "max_copies_per_rank",
+        "integer",
+        DEFAULT_MAX_COPIES_IN_FLIGHT,
+        "copies queued or running in each worker rank's copy engine (≥ `copy_workers`); "
+        "the scheduler never has more tasks outstanding at the ranks, later ones (restores "
+        "first) wait a step (`tasks_deferred`). Formerly `lmcache_rc.max_pending`, still "
+        "accepted with a `FutureWarning` (giving both names is an error); not the sidecar's "
+        "`--max-pending`",
+        low=1,
+        high=4096,
+    ),
+    Option(
+        "chunk_tokens",
+        "integer",
+        TokenRoots.DEFAULT_CHUNK_TOKENS,
+        "token-root hash unit (part of the stored format: every engine sharing a sidecar "
+        "must use the same value)",
+        low=1,
+        high=65536,
+    ),
+    Option(
+        "max_tasks",
+        "integer",
+        64,
+        "copy tasks (stores + restores) outstanding per engine; beyond it stores are skipped",
+        low=1,
+        high=65536,
+        boundary="copy tasks (stores + restores) outstanding per engine; beyond it stores are "
+        "skipped and restores recompute",
+    ),
+    Option(
+        "task_timeout",
+        "seconds",
+        300.0,
+        "a restore not reported by every rank in time releases its request to recompute; "
+        "its pages stay reserved until every rank reports",
+        zero="never",
+        upstream="boundary mode only (in upstream mode vLLM waits for every rank)",
+    ),
+    Option(
+        "layout_timeout",
+        "seconds",
+        300.0,
+        "how long the scheduler waits for every rank's page layout at start-up; after it "
+        "the engine serves without the sidecar",
+        zero="never",
+    ),
+    Option(
+        "close_timeout",
+        "seconds",
+        180.0,
+        "how long a worker's shutdown waits for its copies to drain; after it shutdown "
+        "raises `UnsafeCopy` (the worker process must exit without unmapping) instead of "
+        "hanging",
+        zero="never",
+    ),
+    Option(
+        "idle_flush",
+        "seconds",
+        0.05,
+        "when the scheduler and every rank share one process (vLLM's uniprocess "
+        "executor): after this long without an engine step, begun stores go straight to "
+        'the ranks, so an idle engine publishes them (§A.4, "Stores of an idle or exiting '
+        'engine")',
+        zero="off",
+        boundary="upstream mode only",
+    ),
+)
+"""Every option of the connector, in the order the docs list them: name,
+kind (and so parser and type), default and meaning. The one written source:
+:data:`OPTION_DEFAULTS`, :class:`ConnectorOptions`' defaults,
+:func:`parse_options` and the option tables of ``docs/vllm.md`` (written by
+``ci/gen_option_docs.py``, checked by ``ci/lint.sh``) all come from it."""
+
+OPTION_BY_NAME: Mapping[str, Option] = {o.name: o for o in OPTIONS}
+
+OPTION_DEFAULTS: Mapping[str, Any] = {o.name: o.default for o in OPTIONS}
+"""Every option (without the ``lmcache_rc.`` prefix) and its default."""
+
+DEPRECATED_OPTIONS: Mapping[str, tuple[str, str]] = {
+    "max_pending": (
+        "max_copies_per_rank",
+        "it bounds the copies queued or running per worker rank; the sidecar's "
+        "--max-pending is another setting",
+    ),
+}
+"""Old option names (without the prefix) still accepted, each with a
+``FutureWarning``: the option each is now, and why it was renamed.
+``max_pending`` shared its name with ``lmcache-rc serve --max-pending``
+(generations pending publication in the sidecar's directory)."""
+
+
+def _default(name: str) -> Any:
+    return OPTION_BY_NAME[name].default
+
+
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """The parsed ``lmcache_rc.*`` options (defaults in :data:`OPTION_DEFAULTS`)."""
+    """The parsed ``lmcache_rc.*`` options: the typed view of :data:`OPTIONS`
+    (every field past the revisions is the option of its name, its default
+    the table's; a test checks they agree)."""
 
     socket: str
     target_revision: str
     source_revision: str
     draft_revision: str
     """Empty without speculative decoding."""
-    lookup_timeout: float = 60.0
-    begin_timeout: float = 60.0
-    rpc_timeout: float = 30.0
-    connect_timeout: float = 10.0
-    max_lookup_attempts: int = 4
-    copy_workers: int = 2
-    max_copies_per_rank: int = 16
-    """Copies queued or running in each worker rank's transfer engine (its
-    admission bound, at least ``copy_workers``); the scheduler never has more
-    tasks outstanding at the ranks. Formerly ``max_pending``."""
-    chunk_tokens: int = 4096
-    max_tasks: int = 64
-    task_timeout: float = 300.0
-    """0 disables the restore task timeout."""
-    layout_timeout: float = 300.0
-    """0 waits for the worker layouts forever."""
-    close_timeout: float = 180.0
-    """How long a worker's shutdown waits for its copies to drain before it
-    raises ``UnsafeCopy`` (the process must then exit); 0 waits forever."""
-    idle_flush: float = 0.05
-    """Upstream mode, scheduler and ranks in one process: seconds without an
-    engine step after which begun stores go straight to the ranks, so an idle
-    engine publishes them (``lmcache_rc.vllm.local``); 0 leaves them for the
-    next step (a rank's shutdown still hands them over)."""
-    vllm_api: str = "auto"
-    """``auto``, ``boundary`` (the fork's boundary checkpoints) or ``upstream``
-    (stock vLLM 0.33 connector hooks)."""
-    store_prompt: str = "last"
-    """Upstream mode: which Mamba boundaries of a prompt are stored —
-    ``last`` (the last block boundary at or below the prompt length),
-    ``all`` (every block boundary; shared prefixes such as system prompts
-    restore across requests) or ``none``."""
-    store_response: bool = True
-    """Upstream mode: store the state at the end of each finished request
-    (what the next turn of a conversation continues from)."""
+    vllm_api: str = _default("vllm_api")
+    store_prompt: str = _default("store_prompt")
+    store_response: bool = _default("store_response")
+    lookup_timeout: float = _default("lookup_timeout")
+    begin_timeout: float = _default("begin_timeout")
+    rpc_timeout: float = _default("rpc_timeout")
+    connect_timeout: float = _default("connect_timeout")
+    max_lookup_attempts: int = _default("max_lookup_attempts")
+    copy_workers: int = _default("copy_workers")
+    max_copies_per_rank: int = _default("max_copies_per_rank")
+    chunk_tokens: int = _default("chunk_tokens")
+    max_tasks: int = _default("max_tasks")
+    task_timeout: float = _default("task_timeout")
+    layout_timeout: float = _default("layout_timeout")
+    close_timeout: float = _default("close_timeout")
+    idle_flush: float = _default("idle_flush")
 
 
-def _bad(name: str, why: str) -> InvalidConnectorConfig:
-    return InvalidConnectorConfig(f"kv_connector_extra_config option {OPTION_PREFIX}{name} {why}")
-
-
-def _number(name: str, value: Any, *, zero_ok: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(name, f"must be a number of seconds, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
-        raise _bad(name, f"must be a positive number of seconds, got {value!r}")
-    return v
-
-
-def _integer(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, f"must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise _bad(name, f"must be in {low}..{high}, got {value}")
-    return value
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise _bad(name, f"must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
-    return value
-
-
-def _boolean(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(name, f"must be true or false, got {value!r}")
-    return value
+def option_table(mode: str) -> str:
+    """The Markdown table of every option for ``mode`` (``upstream`` or
+    ``boundary``), as ``docs/vllm.md`` carries it."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for o in OPTIONS:
+        rows.append(f"| `{OPTION_PREFIX}{o.name}` | {o.shown_default()} | {o.meaning(mode)} |")
+    return "\n".join(rows) + "\n"
 
 
 def _identity(value: Any, speculative: bool) -> tuple[str, str, str]:
@@ -253,31 +461,17 @@ def parse_options(extra_config: Mapping[str, Any] | None, *, speculative: bool) 
     elif not isinstance(socket, str | os.PathLike) or not str(socket):
         raise _bad("socket", f"must be a non-empty path, got {socket!r}")
     target, source, draft = _identity(values.get("checkpoint_identity"), speculative)
-
-    def get(name: str) -> Any:
-        return values.get(name, OPTION_DEFAULTS[name])
-
+    parsed = {
+        o.name: o.parse(values.get(o.name, o.default))
+        for o in OPTIONS
+        if o.kind not in ("socket", "identity")
+    }
     opts = ConnectorOptions(
         socket=os.fspath(socket),
         target_revision=target,
         source_revision=source,
         draft_revision=draft,
-        lookup_timeout=_number("lookup_timeout", get("lookup_timeout")),
-        begin_timeout=_number("begin_timeout", get("begin_timeout")),
-        rpc_timeout=_number("rpc_timeout", get("rpc_timeout")),
-        connect_timeout=_number("connect_timeout", get("connect_timeout")),
-        max_lookup_attempts=_integer("max_lookup_attempts", get("max_lookup_attempts"), 1, 64),
-        copy_workers=_integer("copy_workers", get("copy_workers"), 1, 64),
-        max_copies_per_rank=_integer("max_copies_per_rank", get("max_copies_per_rank"), 1, 4096),
-        chunk_tokens=_integer("chunk_tokens", get("chunk_tokens"), 1, 65536),
-        max_tasks=_integer("max_tasks", get("max_tasks"), 1, 65536),
-        task_timeout=_number("task_timeout", get("task_timeout"), zero_ok=True),
-        layout_timeout=_number("layout_timeout", get("layout_timeout"), zero_ok=True),
-        close_timeout=_number("close_timeout", get("close_timeout"), zero_ok=True),
-        idle_flush=_number("idle_flush", get("idle_flush"), zero_ok=True),
-        vllm_api=_choice("vllm_api", get("vllm_api"), VLLM_APIS),
-        store_prompt=_choice("store_prompt", get("store_prompt"), STORE_PROMPT),
-        store_response=_boolean("store_response", get("store_response")),
+        **parsed,
     )
     if opts.max_copies_per_rank < opts.copy_workers:
         raise _bad(

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,18 +53,18 @@ from lmcache_rc.vllm.api import (
 )
 from lmcache_rc.vllm.common import (
     CopyTask,
-    LayoutNegotiation,
+    DisableConnector,
+    Lookup,
     RestorePhase,
     TaskBook,
     check_found_prefix,
     handles,
-    poll_find,
     recurrent_boundaries,
 )
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
-from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
-from lmcache_rc.vllm.sidecar import SidecarClient, SidecarFuture
+from lmcache_rc.vllm.sidecar import SidecarClient
 
 __all__ = ["GroupInfo", "UpstreamScheduler", "cdiv"]
 
@@ -102,21 +101,13 @@ class GroupInfo:
 
 
 @dataclass(eq=False)
-class _Restore:
-    """One request's restore (identity by object: a reused id never inherits it)."""
+class _Restore(Lookup):
+    """One request's restore in upstream mode: the longest checkpoint it may
+    use, and the tokens the restore adds."""
 
-    request_id: str
-    phase: RestorePhase
-    limit: int
+    limit: int = 0
     """Checkpoints of at most this many tokens are looked up."""
-    attempts: int = 0
-    started: float = 0.0
-    future: SidecarFuture | None = None
-    manifest: rc.Manifest | None = None
-    num_tokens: int = 0
-    task_id: str | None = None
     restored: int = 0
-    reason: str = ""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -161,7 +152,17 @@ class UpstreamScheduler(TaskBook[_Task]):
         world_size: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(client, world_size, begin_timeout=options.begin_timeout, clock=clock)
+        super().__init__(
+            client,
+            world_size,
+            identity=identity,
+            begin_timeout=options.begin_timeout,
+            lookup_timeout=options.lookup_timeout,
+            max_lookup_attempts=options.max_lookup_attempts,
+            layout_timeout=options.layout_timeout or None,
+            validate=self._check_layout,
+            clock=clock,
+        )
         self._options = options
         self._groups: tuple[GroupInfo, ...] = tuple(
             GroupInfo(
@@ -178,13 +179,6 @@ class UpstreamScheduler(TaskBook[_Task]):
             int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0) > 0
             for g in kv_cache_config.kv_cache_groups
         )
-        self._negotiation = LayoutNegotiation(
-            world_size,
-            identity,
-            timeout=options.layout_timeout or None,
-            clock=clock,
-            validate=self._check_layout,
-        )
         self._pool: BlockPool | None = None
         self._requests: dict[str, Request] = {}
         self._restores: dict[str, _Restore] = {}
@@ -195,15 +189,6 @@ class UpstreamScheduler(TaskBook[_Task]):
         self._deferred_unpins: list[int] = []
 
     # ------------------------------------------------------------------ properties
-
-    @property
-    def layout(self) -> dict[str, Any] | None:
-        """The negotiated worker layout, or None while negotiation is open."""
-        return None if self._negotiation.layout is None else dict(self._negotiation.layout)
-
-    def namespace(self, cache_salt: str | None) -> str:
-        """The checkpoint namespace of requests with ``cache_salt`` (needs the layout)."""
-        return self._negotiation.namespace(cache_salt)
 
     @property
     def groups(self) -> tuple[GroupInfo, ...]:
@@ -274,55 +259,38 @@ class UpstreamScheduler(TaskBook[_Task]):
         if restore is None:
             restore = _Restore(rid, RestorePhase.DONE, limit=int(request.num_tokens) - 1)
             self._restores[rid] = restore
-            return self._send_find(request, restore, num_computed_tokens)
+            return self._find(request, restore, num_computed_tokens)
         if restore.phase is RestorePhase.FINDING:
             return self._advance_find(request, restore, num_computed_tokens)
         if restore.phase is RestorePhase.FOUND:
             return self._offer(restore, num_computed_tokens)
         if restore.phase is RestorePhase.RETRY:
-            return self._send_find(request, restore, num_computed_tokens)
+            return self._find(request, restore, num_computed_tokens)
         return 0, False
 
     def _finish(self, restore: _Restore, reason: str) -> tuple[int, bool]:
-        restore.phase = RestorePhase.DONE
-        restore.reason = reason
-        restore.future = None
-        self._counters[f"lookup_{reason}"] += 1
+        """Ends a lookup without a restore: ``(0, False)``."""
+        self._finish_lookup(restore, reason)
         return 0, False
 
-    def _send_find(
+    def _find(
         self, request: Request, restore: _Restore, num_computed: int
     ) -> tuple[int | None, bool]:
+        """Sends a FIND for checkpoints of at most ``restore.limit`` tokens."""
         if restore.limit <= num_computed:
             return self._finish(restore, "local-hit")
-        if restore.attempts >= self._options.max_lookup_attempts:
-            return self._finish(restore, "attempts-exhausted")
-        restore.attempts += 1
-        restore.started = self._clock()
-        restore.manifest = None
-        try:
-            roots = self._roots(request, restore.limit).roots
-            restore.future = self._client.find_async(roots)
-        except Exception as e:  # the sidecar is down or the request cannot be keyed
-            logger.warning("checkpoint lookup for %s failed to start: %s", restore.request_id, e)
-            return self._finish(restore, "find-error")
-        restore.phase = RestorePhase.FINDING
-        self._counters["lookups"] += 1
-        return None, False
+        if self._send_find(restore, lambda: self._roots(request, restore.limit).roots):
+            return None, False
+        return 0, False
 
     def _advance_find(
         self, request: Request, restore: _Restore, num_computed: int
     ) -> tuple[int | None, bool]:
-        future = restore.future
-        assert future is not None
-        outcome, found = poll_find(
-            future, restore.started, self._options.lookup_timeout, self._clock(), restore.request_id
-        )
-        if outcome == "pending":
+        answered, found = self._poll_find(restore)
+        if not answered:
             return None, False
-        restore.future = None
         if found is None:
-            return self._finish(restore, outcome)
+            return 0, False  # the lookup ended: recompute
         if not self._usable(request, found, restore.limit):
             return self._finish(restore, "incompatible")
         restore.manifest = found
@@ -525,7 +493,7 @@ class UpstreamScheduler(TaskBook[_Task]):
                 self._store(request, boundary, table, blocks, "prompt")
 
     def request_finished(
-        self, request: Request, block_ids: Sequence[Sequence[int]]
+        self, request: Request, block_ids: Sequence[Sequence[int]] = ()
     ) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished_all_groups``: store the response state, forget the
         request. Never delays vLLM's free (store sources are pinned instead)."""
@@ -561,9 +529,8 @@ class UpstreamScheduler(TaskBook[_Task]):
                 self._store(request, n, block_ids, recurrent, "response")
         return False, None
 
-    def _drop_store(self, task: _Task, counter: str) -> None:
+    def _release_store(self, task: _Task) -> None:
         self._unpin(task)
-        self._counters[counter] += 1
 
     def _unpin(self, task: _Task) -> None:
         if task.pins and self._pool is not None:
@@ -614,7 +581,15 @@ class UpstreamScheduler(TaskBook[_Task]):
     # ------------------------------------------------------------------ per step
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> CheckpointConnectorMetadata:
-        """``build_connector_meta``: this step's stores and restores, each task once."""
+        """``build_connector_meta``: this step's stores and restores, each task once.
+
+        Raises :class:`DisableConnector` when this vLLM does not pass boundary
+        states to connectors (no ``kv_connector_block_state``)."""
+        if not hasattr(scheduler_output, "kv_connector_block_state"):
+            raise DisableConnector(
+                "the scheduler output has no kv_connector_block_state: this vLLM does not "
+                "offer boundary states to connectors (vLLM 0.33 or later is needed)"
+            )
         self._release_deferred()
         self._step += 1
         self._negotiation.settled()
@@ -624,42 +599,21 @@ class UpstreamScheduler(TaskBook[_Task]):
                 del self._restores[rid]  # a resumed request looks up afresh
         self._offers(scheduler_output)
         self._pump_begins()
-        in_flight = sum(1 for t in self._tasks.values() if t.sent)
         # Never more at the ranks than their copy queues admit (a refused
         # restore would fail and recompute); restores first: a request is
         # parked on each, stores only hold blocks. A deferred restore's
         # request simply stays in WAITING_FOR_REMOTE_KVS a step longer.
-        room = max(0, self._options.max_copies_per_rank - in_flight)
-        out: list[CheckpointEngineTask] = []
-        unsent = sorted(
-            (t for t in self._tasks.values() if not t.sent),
-            key=lambda t: t.direction != "RETRIEVE",
-        )
-        for task in unsent:
-            if len(out) < room:
-                task.sent = True
-                out.append(task.engine_task())
-            else:
-                self._counters["tasks_deferred"] += 1
-        self._counters["tasks_sent"] += len(out)
+        out = self._send_tasks(self._options.max_copies_per_rank, restores_first=True)
         return CheckpointConnectorMetadata(out, step=self._step)
 
-    def update(self, connector_output: Any) -> None:
-        """``update_connector_output``: take layouts and rank results.
+    def _engine_task(self, task: _Task) -> CheckpointEngineTask:
+        return task.engine_task()
 
-        Raises ValueError on a protocol violation (different layouts, a rank
-        outside ``0..world_size-1``, a rank reporting one task twice, an
-        unknown task id).
-        """
+    def update(self, connector_output: Any) -> None:
+        """``update_connector_output``: frees deferred pins, then takes layouts
+        and rank results (:meth:`TaskBook.update`)."""
         self._release_deferred()
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if meta is None:
-            return
-        if not isinstance(meta, CheckpointWorkerMetadata):
-            raise ValueError(f"unexpected worker metadata {type(meta).__name__}")
-        for rank, layout in sorted(meta.layouts.items()):
-            self._negotiation.take(rank, layout)
-        self._take_results(meta.results)
+        super().update(connector_output)
 
     def _complete(self, task: _Task) -> None:
         ok = all(task.results.values())
@@ -687,66 +641,29 @@ class UpstreamScheduler(TaskBook[_Task]):
             restore.limit = restore.num_tokens - 1
             restore.task_id = None
 
-    def reset(self) -> None:
+    def reset(self) -> bool:
         """``reset_cache``: this engine stops restoring anything stored before
         (a new epoch enters its identity); lookups in progress start over."""
-        epoch = self._negotiation.new_epoch()
         for rid, restore in list(self._restores.items()):
             if restore.phase is not RestorePhase.RESTORING:
                 del self._restores[rid]
-        self._counters["resets"] += 1
-        logger.info("lmcache-rc: connector cache reset; identity epoch %d", epoch)
+        return super().reset()
 
     # ------------------------------------------------------------------ status
 
-    def has_pending_work(self) -> bool:
-        """``has_pending_push_work``: True while stores hold pinned blocks or
-        tasks are outstanding (results only arrive on engine steps)."""
-        if self._closed:
-            return False
-        if not self._negotiation.settled():
-            return True
-        return bool(self._tasks or self._begins)
-
     def report_status(self) -> dict[str, Any]:
         """A snapshot for humans and tests."""
-        phases = Counter(str(r.phase) for r in self._restores.values())
-        directions = Counter(t.direction for t in self._tasks.values())
         return {
             "mode": "upstream",
-            "world_size": self._world_size,
-            "layout_negotiated": self._negotiation.layout is not None,
-            "layout_failed": self._negotiation.failed,
-            "layout_ranks": sorted(self._negotiation.reports),
-            "lookups": dict(phases),
+            **self._status(self._restores.values()),
             "requests": len(self._requests),
-            "tasks": {
-                "STORE": directions.get("STORE", 0),
-                "RETRIEVE": directions.get("RETRIEVE", 0),
-                "unsent": sum(1 for t in self._tasks.values() if not t.sent),
-            },
-            "pending_begins": len(self._begins),
             "pinned_blocks": sum(len(t.pins) for t in self._tasks.values())
             + sum(len(pb.task.pins) for pb in self._begins),
-            "counters": dict(sorted(self._counters.items())),
         }
 
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
+        """:meth:`report_status` as an HTML table."""
         return self._html("lmcache-rc (upstream mode)")
 
-    def close(self) -> None:
-        """Stop lookups and stores; pending BEGINs are aborted and their pins
-        released (sent tasks keep theirs: workers may copy)."""
-        if self._closed:
-            return
-        self._closed = True
-        for pb in self._begins:
-            self._abort(pb.task.manifest.generation)
-            self._unpin(pb.task)
-        self._begins = []
-        for task in list(self._tasks.values()):
-            if not task.sent:
-                del self._tasks[task.task_id]
-                if task.direction == "STORE":
-                    self._abort(task.manifest.generation)
-                    self._unpin(task)
+    def _repr_html_(self) -> str:
+        return self.html()

@@ -1,5 +1,11 @@
 """The worker side of the connector (one instance per worker rank), both modes.
 
+The connector picks one side object when it is built and delegates every
+worker hook to it: :class:`WorkerHooks` (each hook's "nothing to do": a
+disabled connector, or the scheduler role), :class:`WorkerSide` (boundary
+mode, and ``auto`` until the fork's hook decides) or
+:class:`UpstreamWorkerSide`.
+
 What it owns: binding the rank's page memory to a copy worker
 (:class:`lmcache_rc.worker.CheckpointWorker`) — the fork's page pool in
 boundary mode, the regions of the per-layer KV caches in upstream mode
@@ -11,6 +17,10 @@ per rank: in the worker metadata, and for upstream restores also in vLLM's
 ``finished_recving`` / ``failed_recving`` (vLLM counts those across ranks
 before the blocks become a hit).
 
+"Each task once" is the rank's one :class:`lmcache_rc.worker.TaskLedger`,
+shared with its copy worker: a task delivered twice raises
+:class:`lmcache_rc.worker.DuplicateTask`, bound or not.
+
 What it must never do: report a task twice, let a task be lost without a
 result (a refused or failed submission is reported False), or turn an
 ``UnsafeCopy`` into a miss (it is fatal for the worker process).
@@ -20,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,13 +42,18 @@ from lmcache_rc.vllm.api import CheckpointEngineTask, KVCacheConfig
 from lmcache_rc.vllm.layout import UpstreamLayout, build_upstream_layout, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
+from lmcache_rc.worker import CheckpointWorker, TaskLedger
 
-__all__ = ["CopyWorker", "TransferResults", "WorkerSide", "default_worker_factory"]
+__all__ = [
+    "CopyWorker",
+    "TransferResults",
+    "UpstreamWorkerSide",
+    "WorkerHooks",
+    "WorkerSide",
+    "default_worker_factory",
+]
 
 logger = logging.getLogger(__name__)
-
-SEEN_TASKS = 1 << 16
-"""Task ids remembered to refuse a second delivery."""
 
 
 class CopyWorker(Protocol):
@@ -70,11 +84,10 @@ class CopyWorker(Protocol):
 
 
 def default_worker_factory(socket_path: str, **kwargs: Any) -> CopyWorker:
-    """A :class:`lmcache_rc.worker.CheckpointWorker` (imported only in workers
-    that actually bind page memory)."""
-    module = importlib.import_module("lmcache_rc.worker")
-    worker: CopyWorker = module.CheckpointWorker(socket_path, **kwargs)
-    return worker
+    """A :class:`lmcache_rc.worker.CheckpointWorker` (the keyword arguments:
+    rank, world_size, layout, page_pool, workers, max_copies_in_flight,
+    rpc_timeout and the rank's ledger)."""
+    return CheckpointWorker(socket_path, **kwargs)
 
 
 @dataclass
@@ -86,8 +99,69 @@ class TransferResults:
     failed_recving: set[str]
 
 
-class WorkerSide:
-    """One rank's copy worker and the bookkeeping that makes every task end once."""
+class WorkerHooks:
+    """The worker hooks the connector delegates to, each with its "nothing to
+    do" answer: the side of a disabled connector and of the scheduler role."""
+
+    @property
+    def rank(self) -> int | None:
+        """This worker's rank (None: no worker side)."""
+        return None
+
+    @property
+    def bound(self) -> bool:
+        """Whether page memory is bound (a copy worker exists)."""
+        return False
+
+    @property
+    def worker(self) -> CopyWorker | None:
+        """The copy worker (after binding)."""
+        return None
+
+    def in_flight(self) -> int:
+        """Copies queued or running on this rank."""
+        return 0
+
+    def is_unsafe(self) -> bool:
+        """Whether the copy worker turned unsafe."""
+        return False
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], kv_cache_config: Any) -> bool:
+        """vLLM's per-layer KV caches; True when they were bound (upstream mode)."""
+        return False
+
+    def bind_boundary_state(self, state: Any) -> None:
+        """The fork's ``bind_boundary_checkpoint_state`` (boundary mode binds)."""
+
+    def take(self, meta: Any) -> None:
+        """This step's tasks (``start_load_kv``)."""
+
+    def wait_for_save(self, step: int) -> None:
+        """The forward of ``step`` ended (upstream stores are submitted now)."""
+
+    def transfer_results(self) -> TransferResults | None:
+        """Upstream restores that ended: None, vLLM's empty default."""
+        return None
+
+    def worker_meta(self) -> CheckpointWorkerMetadata | None:
+        """Nothing to report."""
+        return None
+
+    def inject_fault(self, kind: str, count: int = 1, delay: float = 0.0) -> None:
+        """Test hook of a worker rank: RuntimeError here."""
+        raise RuntimeError("inject_fault is a worker-role hook")
+
+    def close(self) -> None:
+        """Nothing to drain."""
+
+
+class WorkerSide(WorkerHooks):
+    """One rank's copy worker and the bookkeeping that makes every task end
+    once; boundary mode's hooks (the fork's page pool, every task submitted
+    at ``start_load_kv``)."""
+
+    stores_later = False
+    """Whether stores wait for :meth:`wait_for_save` (upstream mode)."""
 
     def __init__(
         self,
@@ -105,7 +179,7 @@ class WorkerSide:
         self._layout: dict[str, Any] | None = None
         self._layout_reported = False
         self._cuda = False
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._ledger = TaskLedger()
         self._unsent: dict[str, bool] = {}
         self._unbound: list[str] = []
         self._events: dict[str, Any] = {}
@@ -157,6 +231,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ binding
 
     def _start(self, layout: Mapping[str, Any], page_pool: Any) -> None:
+        self._check_rank()
         if self._worker is not None:
             raise RuntimeError("this worker rank's page memory is already bound")
         self._worker = self._factory(
@@ -166,11 +241,32 @@ class WorkerSide:
             layout=dict(layout),
             page_pool=page_pool,
             workers=self._options.copy_workers,
-            max_pending=self._options.max_copies_per_rank,
+            max_copies_in_flight=self._options.max_copies_per_rank,
             rpc_timeout=self._options.rpc_timeout,
+            ledger=self._ledger,
         )
         self._layout = dict(layout)
         self._layout_reported = False
+
+    def _check_rank(self) -> None:
+        if not 0 <= self._rank < self._world_size:
+            raise ValueError(f"worker rank {self._rank} is outside 0..{self._world_size - 1}")
+
+    def bind_boundary_state(self, state: Any) -> None:
+        """The fork's ``bind_boundary_checkpoint_state``: this rank's page pool
+        and layout. Raises when the transport cannot serve (bad layout or
+        pool, sidecar unreachable), as the fork requires."""
+        self._check_rank()
+        if self.bound:
+            raise RuntimeError("bind_boundary_checkpoint_state was called twice")
+        layout = dict(state.get_external_checkpoint_layout())
+        page_bytes = layout.get("page_bytes")
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError("the checkpoint layout must name a positive integer page_bytes")
+        initialize = getattr(state, "initialize_external_checkpoint_layout", None)
+        if initialize is not None:
+            initialize(layout)  # binds hidden-state views before the first forward
+        self.bind_boundary_pool(layout, state.get_external_checkpoint_page_pool())
 
     def bind_boundary_pool(self, layout: Mapping[str, Any], pool: Any) -> None:
         """Boundary mode: the fork's ``[num_blocks, page_bytes]`` page pool."""
@@ -224,27 +320,23 @@ class WorkerSide:
         self._events[task_id] = event  # alive until the rank's result
         return int(event.cuda_event)
 
-    def take(self, meta: Any, *, stores_later: bool) -> None:
-        """Accept this step's tasks: restores (and, unless ``stores_later``,
-        stores) are submitted now; upstream stores wait for :meth:`submit_stores`.
-        A task id seen twice is a RuntimeError."""
+    def take(self, meta: Any) -> None:
+        """Accept this step's tasks: restores (and, unless :attr:`stores_later`,
+        stores) are submitted now; upstream stores wait for :meth:`wait_for_save`.
+        A task id delivered twice raises :class:`lmcache_rc.worker.DuplicateTask`."""
         if not isinstance(meta, CheckpointConnectorMetadata) or not meta.tasks:
             return
         for task in meta.tasks:
             self._see(task)
             if task.request_id and task.direction == "RETRIEVE":
                 self._loads[task.task_id] = task.request_id
-            if stores_later and task.direction == "STORE":
+            if self.stores_later and task.direction == "STORE":
                 self._stores.append(task)
                 continue
             self._submit(task)
 
     def _see(self, task: CheckpointEngineTask) -> None:
-        if task.task_id in self._seen:
-            raise RuntimeError(f"checkpoint task {task.task_id} was delivered twice")
-        self._seen[task.task_id] = None
-        if len(self._seen) > SEEN_TASKS:
-            self._seen.popitem(last=False)
+        self._ledger.deliver(task.task_id)  # DuplicateTask on a second delivery
 
     def take_now(self, task: CheckpointEngineTask) -> None:
         """A store handed over by an idle or exiting engine (its bytes are final):
@@ -286,6 +378,8 @@ class WorkerSide:
         """Every task that ended since the last call, exactly once, with its result."""
         results = dict(self._unsent)
         self._unsent.clear()
+        for task_id in results:  # never reached the engine: reported here, once
+            self._ledger.report(task_id)
         if self._worker is not None:
             for task_id, ok in self._worker.collect().items():
                 results[task_id] = bool(ok)
@@ -297,14 +391,6 @@ class WorkerSide:
                 if not ok:
                     self._recv_failed.add(rid)
         return results
-
-    def transfer_results(self) -> TransferResults:
-        """Upstream restores that ended (``finished_recving``; failures also in
-        ``failed_recving``), each reported once; drained by the call."""
-        self._pending_results.update(self.collect())
-        done, failed = self._recv_done, self._recv_failed
-        self._recv_done, self._recv_failed = set(), set()
-        return TransferResults(done, failed)
 
     def worker_meta(self) -> CheckpointWorkerMetadata | None:
         """This rank's layout (once) and its task results since the last call.
@@ -345,3 +431,44 @@ class WorkerSide:
         if self._worker is not None:
             self._worker.close(timeout=self._options.close_timeout or None)
             self._events.clear()
+
+
+class UpstreamWorkerSide(WorkerSide):
+    """Upstream mode's worker hooks: the per-layer KV caches of
+    ``register_kv_caches``, stores submitted at ``wait_for_save`` (after the
+    forward that wrote them), restores reported to vLLM as well."""
+
+    stores_later = True
+
+    def __init__(
+        self,
+        options: ConnectorOptions,
+        *,
+        rank: int,
+        world_size: int,
+        factory: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__(options, rank=rank, world_size=world_size, factory=factory)
+        self._check_rank()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], kv_cache_config: Any) -> bool:
+        """Describe this rank's pages and start its copy worker; True."""
+        if kv_cache_config is None:
+            raise ValueError("upstream mode needs the KVCacheConfig vLLM passes to the connector")
+        self.bind_kv_caches(kv_caches, kv_cache_config)
+        return True
+
+    def bind_boundary_state(self, state: Any) -> None:
+        """Not the fork's mode: nothing to bind."""
+
+    def wait_for_save(self, step: int) -> None:
+        """The forward of ``step`` ended: submit the stores taken this step."""
+        self.submit_stores(step)
+
+    def transfer_results(self) -> TransferResults:
+        """Upstream restores that ended (``finished_recving``; failures also in
+        ``failed_recving``), each reported once; drained by the call."""
+        self._pending_results.update(self.collect())
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return TransferResults(done, failed)

@@ -153,11 +153,16 @@ pub struct PyTokenRoots {
 
 #[pymethods]
 impl PyTokenRoots {
+    /// The default hash unit, `identity::DEFAULT_CHUNK_TOKENS` (its one
+    /// written source; Python's defaults read it here).
+    #[classattr]
+    const DEFAULT_CHUNK_TOKENS: u32 = identity::DEFAULT_CHUNK_TOKENS;
+
     /// Hashes `tokens` (a sequence of int or a 1-D numpy integer array) into
-    /// chained roots of `chunk_tokens` tokens each (default 4096 =
-    /// `identity::DEFAULT_CHUNK_TOKENS`). Runs without the GIL.
+    /// chained roots of `chunk_tokens` tokens each (None:
+    /// `DEFAULT_CHUNK_TOKENS`). Runs without the GIL.
     #[staticmethod]
-    #[pyo3(signature = (namespace, tokens, chunk_tokens = None), text_signature = "(namespace, tokens, chunk_tokens=4096)")]
+    #[pyo3(signature = (namespace, tokens, chunk_tokens = None))]
     fn build(
         py: Python<'_>,
         namespace: String,

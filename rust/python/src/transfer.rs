@@ -28,6 +28,7 @@ use lmcache_rc_core::transfer::{
 use lmcache_rc_core::transfer::{Direction, cuda::CudaBackend};
 use lmcache_rc_core::{Error, ErrorKind};
 use numpy::{PyArray2, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::exceptions::PyDeprecationWarning;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping, PyString, PyTuple};
 
@@ -184,17 +185,49 @@ fn positive_usize(value: i64, name: &str) -> PyResult<usize> {
         .ok_or_else(|| invalid(format!("{name} must be a positive integer, got {value}")))
 }
 
-fn engine_config(
-    py: Python<'_>,
-    workers: i64,
-    max_pending: i64,
-    rpc_timeout: f64,
-    layout: Option<&Bound<'_, PyAny>>,
-) -> PyResult<EngineConfig> {
+/// The engine's settings as Python passes them: each None is the core's
+/// default (`EngineConfig::default()`, the one written source of the
+/// defaults; `TransferEngine.defaults()` shows them to Python).
+/// `max_pending` is the deprecated name of `max_copies_in_flight` (accepted
+/// with a `DeprecationWarning`; giving both is an error).
+struct EngineArgs<'a, 'py> {
+    workers: Option<i64>,
+    max_copies_in_flight: Option<i64>,
+    rpc_timeout: Option<f64>,
+    layout: Option<&'a Bound<'py, PyAny>>,
+    max_pending: Option<i64>,
+}
+
+fn engine_config(py: Python<'_>, args: EngineArgs<'_, '_>) -> PyResult<EngineConfig> {
+    let defaults = EngineConfig::default();
+    let in_flight = match (args.max_copies_in_flight, args.max_pending) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "max_pending is the deprecated name of max_copies_in_flight: give only \
+                 max_copies_in_flight",
+            ));
+        }
+        (Some(v), None) => Some(v),
+        (None, Some(v)) => {
+            PyErr::warn(
+                py,
+                &py.get_type::<PyDeprecationWarning>(),
+                c"TransferEngine: max_pending is deprecated, use max_copies_in_flight (the \
+                  bound on copies queued or running; the sidecar's max_pending is another \
+                  setting)",
+                1,
+            )?;
+            Some(v)
+        }
+        (None, None) => None,
+    };
+    let rpc_timeout = args
+        .rpc_timeout
+        .unwrap_or(defaults.rpc_timeout.as_secs_f64());
     if !(rpc_timeout.is_finite() && rpc_timeout > 0.0) {
         return Err(invalid("rpc_timeout must be a positive number of seconds"));
     }
-    let layout = match layout {
+    let layout = match args.layout {
         None => None,
         Some(l) if l.is_none() => None,
         Some(l) => {
@@ -210,17 +243,34 @@ fn engine_config(
             )
         }
     };
+    let workers = match args.workers {
+        Some(v) => positive_usize(v, "workers")?,
+        None => defaults.workers,
+    };
+    let max_copies_in_flight = match in_flight {
+        Some(v) => positive_usize(v, "max_copies_in_flight")?,
+        None => defaults.max_pending,
+    };
+    if max_copies_in_flight < workers {
+        return Err(invalid(format!(
+            "max_copies_in_flight ({max_copies_in_flight}) must be at least workers ({workers})"
+        )));
+    }
     Ok(EngineConfig {
-        workers: positive_usize(workers, "workers")?,
-        max_pending: positive_usize(max_pending, "max_pending")?,
+        workers,
+        max_pending: max_copies_in_flight,
         rpc_timeout: Duration::from_secs_f64(rpc_timeout.min(1e6)),
         layout,
     })
 }
 
-fn connect(py: Python<'_>, socket_path: std::path::PathBuf, rpc_timeout: f64) -> PyResult<Client> {
+fn connect(
+    py: Python<'_>,
+    socket_path: std::path::PathBuf,
+    rpc_timeout: Duration,
+) -> PyResult<Client> {
     let config = ClientConfig {
-        timeout: Duration::from_secs_f64(rpc_timeout.clamp(0.001, 1e6)),
+        timeout: rpc_timeout.max(Duration::from_millis(1)),
         ..ClientConfig::default()
     };
     py.detach(|| Client::connect_with(&socket_path, config))
@@ -243,17 +293,28 @@ impl PyTransferEngine {
     /// writable, `[num_blocks, page_bytes]`; row 0 is never touched).
     /// Connects to the sidecar at `socket_path` and maps its pool now.
     #[new]
-    #[pyo3(signature = (socket_path, page_pool, *, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (socket_path, page_pool, *, workers = None, max_copies_in_flight = None, rpc_timeout = None, layout = None, max_pending = None))]
     fn new(
         py: Python<'_>,
         socket_path: std::path::PathBuf,
         page_pool: &Bound<'_, PyAny>,
-        workers: i64,
-        max_pending: i64,
-        rpc_timeout: f64,
+        workers: Option<i64>,
+        max_copies_in_flight: Option<i64>,
+        rpc_timeout: Option<f64>,
         layout: Option<&Bound<'_, PyAny>>,
+        max_pending: Option<i64>,
     ) -> PyResult<Self> {
-        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let config = engine_config(
+            py,
+            EngineArgs {
+                workers,
+                max_copies_in_flight,
+                rpc_timeout,
+                layout,
+                max_pending,
+            },
+        )?;
         let array = page_pool.cast::<PyArray2<u8>>().map_err(|_| {
             invalid("page_pool must be a 2-D numpy uint8 array [num_blocks, page_bytes]")
         })?;
@@ -273,7 +334,7 @@ impl PyTransferEngine {
         // bytes at `data()`, and `self.pool` keeps it alive (and is leaked if
         // the engine turns unsafe) for as long as the backend can copy.
         let backend = Arc::new(unsafe { CpuBackend::new(array.data(), shape) }.py()?);
-        let client = connect(py, socket_path, rpc_timeout)?;
+        let client = connect(py, socket_path, config.rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
             engine: Owned::new("TransferEngine", engine),
@@ -287,7 +348,7 @@ impl PyTransferEngine {
     /// contiguous uint8 CUDA tensor's `data_ptr()`) of `num_blocks` rows of
     /// `page_bytes`. Raises `DeviceError` when no CUDA driver is present.
     #[staticmethod]
-    #[pyo3(signature = (socket_path, device_ptr, num_blocks, page_bytes, *, device = 0, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[pyo3(signature = (socket_path, device_ptr, num_blocks, page_bytes, *, device = 0, workers = None, max_copies_in_flight = None, rpc_timeout = None, layout = None, max_pending = None))]
     #[allow(clippy::too_many_arguments)]
     fn cuda(
         py: Python<'_>,
@@ -296,12 +357,22 @@ impl PyTransferEngine {
         num_blocks: u64,
         page_bytes: u64,
         device: i32,
-        workers: i64,
-        max_pending: i64,
-        rpc_timeout: f64,
+        workers: Option<i64>,
+        max_copies_in_flight: Option<i64>,
+        rpc_timeout: Option<f64>,
         layout: Option<&Bound<'_, PyAny>>,
+        max_pending: Option<i64>,
     ) -> PyResult<Self> {
-        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let config = engine_config(
+            py,
+            EngineArgs {
+                workers,
+                max_copies_in_flight,
+                rpc_timeout,
+                layout,
+                max_pending,
+            },
+        )?;
         let shape = PoolShape {
             num_blocks,
             page_bytes,
@@ -311,7 +382,7 @@ impl PyTransferEngine {
             py.detach(|| unsafe { CudaBackend::new(device, device_ptr, shape) })
                 .py()?,
         );
-        let client = connect(py, socket_path, rpc_timeout)?;
+        let client = connect(py, socket_path, config.rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
             engine: Owned::new("TransferEngine", engine),
@@ -330,7 +401,7 @@ impl PyTransferEngine {
     /// `buffer[offset + b * block_stride:][:length]` over its regions), and
     /// `num_blocks` (block 0 is never touched). Buffers must not overlap.
     #[staticmethod]
-    #[pyo3(signature = (socket_path, buffers, groups, num_blocks, *, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[pyo3(signature = (socket_path, buffers, groups, num_blocks, *, workers = None, max_copies_in_flight = None, rpc_timeout = None, layout = None, max_pending = None))]
     #[allow(clippy::too_many_arguments)]
     fn cpu_regions(
         py: Python<'_>,
@@ -338,12 +409,22 @@ impl PyTransferEngine {
         buffers: &Bound<'_, PyAny>,
         groups: &Bound<'_, PyAny>,
         num_blocks: u64,
-        workers: i64,
-        max_pending: i64,
-        rpc_timeout: f64,
+        workers: Option<i64>,
+        max_copies_in_flight: Option<i64>,
+        rpc_timeout: Option<f64>,
         layout: Option<&Bound<'_, PyAny>>,
+        max_pending: Option<i64>,
     ) -> PyResult<Self> {
-        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let config = engine_config(
+            py,
+            EngineArgs {
+                workers,
+                max_copies_in_flight,
+                rpc_timeout,
+                layout,
+                max_pending,
+            },
+        )?;
         let args = buffer_args(buffers, host_buffer)?;
         let page_layout = region_layout(&args, groups, num_blocks)?;
         let bases = args
@@ -357,7 +438,7 @@ impl PyTransferEngine {
         // alive for the engine's life and is leaked if the engine turns
         // unsafe, so they stay valid for as long as the backend can copy.
         let backend = Arc::new(unsafe { CpuBackend::with_layout(bases, page_layout) }.py()?);
-        let client = connect(py, socket_path, rpc_timeout)?;
+        let client = connect(py, socket_path, config.rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
             engine: Owned::new("TransferEngine", engine),
@@ -373,7 +454,7 @@ impl PyTransferEngine {
     /// `num_blocks` as for `cpu_regions`. Raises `DeviceError` when no CUDA
     /// driver is present.
     #[staticmethod]
-    #[pyo3(signature = (socket_path, buffers, groups, num_blocks, *, device = 0, workers = 2, max_pending = 16, rpc_timeout = 30.0, layout = None))]
+    #[pyo3(signature = (socket_path, buffers, groups, num_blocks, *, device = 0, workers = None, max_copies_in_flight = None, rpc_timeout = None, layout = None, max_pending = None))]
     #[allow(clippy::too_many_arguments)]
     fn cuda_regions(
         py: Python<'_>,
@@ -382,12 +463,22 @@ impl PyTransferEngine {
         groups: &Bound<'_, PyAny>,
         num_blocks: u64,
         device: i32,
-        workers: i64,
-        max_pending: i64,
-        rpc_timeout: f64,
+        workers: Option<i64>,
+        max_copies_in_flight: Option<i64>,
+        rpc_timeout: Option<f64>,
         layout: Option<&Bound<'_, PyAny>>,
+        max_pending: Option<i64>,
     ) -> PyResult<Self> {
-        let config = engine_config(py, workers, max_pending, rpc_timeout, layout)?;
+        let config = engine_config(
+            py,
+            EngineArgs {
+                workers,
+                max_copies_in_flight,
+                rpc_timeout,
+                layout,
+                max_pending,
+            },
+        )?;
         let args = buffer_args(buffers, |i, b| {
             raw_buffer(i, b, "an (owner, device_ptr, nbytes) tuple")
         })?;
@@ -401,7 +492,7 @@ impl PyTransferEngine {
             py.detach(|| unsafe { CudaBackend::with_layout(device, bases, page_layout) })
                 .py()?,
         );
-        let client = connect(py, socket_path, rpc_timeout)?;
+        let client = connect(py, socket_path, config.rpc_timeout)?;
         let engine = start(py, client, backend.clone(), config)?;
         Ok(PyTransferEngine {
             engine: Owned::new("TransferEngine", engine),
@@ -409,6 +500,18 @@ impl PyTransferEngine {
             backend: BackendRef::Cuda(backend),
             owners: args.into_iter().map(|b| b.owner).collect(),
         })
+    }
+
+    /// The defaults of `workers`, `max_copies_in_flight` and `rpc_timeout`
+    /// (seconds): the core's `EngineConfig::default()`, their one source.
+    #[staticmethod]
+    fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        let d = EngineConfig::default();
+        let out = PyDict::new(py);
+        out.set_item("workers", d.workers)?;
+        out.set_item("max_copies_in_flight", d.max_pending)?;
+        out.set_item("rpc_timeout", d.rpc_timeout.as_secs_f64())?;
+        Ok(out)
     }
 
     /// Raises `DeviceError` saying what is missing unless the CUDA driver
@@ -422,7 +525,7 @@ impl PyTransferEngine {
     /// blocks per manifest page group (auxiliary group last; rows of a 2-D
     /// pool). Returns
     /// a `TransferFuture`, or None when refused (closing, unsafe, or
-    /// `max_pending` jobs in flight). Bad arguments raise `InvalidInput`.
+    /// `max_copies_in_flight` jobs in flight). Bad arguments raise `InvalidInput`.
     #[pyo3(signature = (manifest, rank, direction, block_ids, producer_event = None))]
     fn submit(
         &self,
