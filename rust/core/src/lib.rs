@@ -16,6 +16,7 @@
 //! - [`peer`]: the local processes behind connections, and whether they live;
 //! - `shared` (feature `shared-tier`): the tier shared across hosts on an object store;
 //! - [`transfer`]: worker copies between a page pool and shared memory;
+//! - [`units`]: how sizes and durations are written and printed;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
@@ -40,6 +41,7 @@ pub mod service;
 pub mod shared;
 pub mod store;
 pub mod transfer;
+pub mod units;
 
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{Prefix, TokenRoots, checkpoint_generation, checkpoint_namespace};
