@@ -354,7 +354,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use lmcache_rc_core::service::object_keys;
+use lmcache_rc_core::store::object_keys;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::object_file_bytes;
 

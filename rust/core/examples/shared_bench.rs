@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use lmcache_rc_core::manifest::{CheckpointPayload, PageGroup};
-use lmcache_rc_core::service::object_keys;
+use lmcache_rc_core::store::object_keys;
 use lmcache_rc_core::shared::{SharedConfig, SharedTier};
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation, json};

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::counters::Counter;
-use super::keys::object_keys;
+use crate::store::object_keys;
 use super::state::{Obj, State};
 use super::tiers::StateLock;
 use super::upkeep::Upkeep;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::counters::Counter;
-use super::keys::object_keys;
+use crate::store::object_keys;
 use super::reclaim::Holder;
 use super::state::{Fetch, L1, L2, RetrieveLease, State};
 use super::store::check_rank;

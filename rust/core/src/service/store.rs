@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::counters::Counter;
-use super::keys::object_keys;
+use crate::store::object_keys;
 use super::reclaim::Holder;
 use super::state::{L1, PendingGen, RankState, State, StoreLease};
 use crate::error::{Error, Result};

@@ -58,4 +58,5 @@ pub use backend::{
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, JobPhases, Outcome, TransferEngine};
 pub use layout::{GroupLayout, PageLayout, PoolShape, RegionTemplate};
 pub use plan::{CopyPlan, Direction, PageCopy};
-pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, PoolSource, ReplyHandle};
+pub use crate::protocol::PoolSource;
+pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};
