@@ -2,7 +2,8 @@
 
 Reads every `crate::…` path in `rust/core/src` (use declarations and inline
 paths, comments and string literals removed), maps each file to its top-level
-module (`rust/core/src/X.rs` or `rust/core/src/X/…` is module X; the crate
+module (a file `<name>.rs` or a folder `<name>/` of the source root is module
+<name>; the crate
 root's `pub use` re-exports are resolved to the module they come from) and
 builds the module graph. It fails when
 

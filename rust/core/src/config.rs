@@ -656,7 +656,10 @@ mod tests {
         let e = p(FieldKind::Seconds, "5 minutes", false)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("ms, s, m, h, d or w") && e.contains("e.g. 30s"), "{e}");
+        assert!(
+            e.contains("ms, s, m, h, d or w") && e.contains("e.g. 30s"),
+            "{e}"
+        );
         assert_eq!(
             p(FieldKind::Signed, "-1", false).unwrap(),
             Some(FieldValue::Signed(-1))

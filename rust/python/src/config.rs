@@ -122,7 +122,9 @@ fn value_of(field: &FieldSpec, value: &Bound<'_, PyAny>) -> PyResult<Option<Fiel
         }
         FieldKind::Seconds => {
             if !(is_int || value.is_instance_of::<PyFloat>()) {
-                return Err(wrong("a number of seconds or a duration string such as '30s'"));
+                return Err(wrong(
+                    "a number of seconds or a duration string such as '30s'",
+                ));
             }
             let s: f64 = value.extract()?;
             FieldValue::Seconds(seconds(s).map_err(|e| invalid(format!("{name}: {e}")))?)
