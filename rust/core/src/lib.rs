@@ -11,6 +11,7 @@
 //! - [`private`]: ownership, link and mode checks of the paths a sidecar keeps;
 //! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
+//! - [`sidecar`]: a whole sidecar (service, RPC server, HTTP admin) started and stopped in order;
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
 //! - [`peer`]: the local processes behind connections, and whether they live;
@@ -39,6 +40,7 @@ pub mod rpc;
 pub mod service;
 #[cfg(feature = "shared-tier")]
 pub mod shared;
+pub mod sidecar;
 pub mod store;
 pub mod transfer;
 pub mod units;
