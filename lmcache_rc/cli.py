@@ -191,7 +191,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
             "--" + name.replace("_", "-"),
             type=_flag_parser(name, kind),
             default=argparse.SUPPRESS,
-            metavar=kind.upper(),
+            metavar="DURATION" if kind == "seconds" else kind.upper(),
             help=doc + hint,
         )
 
