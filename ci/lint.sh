@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Lint everything: references that leave the repository or dangle (check_refs),
+# the core's module floors (check_modules: no circle, no upward import),
 # Rust formatting and clippy, Python ruff and mypy --strict, and the _native.pyi
 # stubs against the built extension. Fails on any finding.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 echo "== references stay inside the repository (ci/check_refs.py)"
 python ci/check_refs.py
+echo "== core modules import down their floors (ci/check_modules.py)"
+python ci/check_modules.py
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"

@@ -49,6 +49,7 @@ __all__ = [
     "default_l1_bytes",
     "default_socket_path",
     "human_size",
+    "parse_duration",
     "shared_gc",
     "shared_min_gc_age",
 ]
@@ -70,6 +71,7 @@ def default_l1_bytes() -> int: ...
 def shared_gc(url: str, older_than: float) -> dict[str, object]: ...
 def shared_min_gc_age() -> float: ...
 def human_size(bytes: int) -> str: ...
+def parse_duration(text: str) -> float: ...
 
 _Path: TypeAlias = str | os.PathLike[str]
 
@@ -114,21 +116,21 @@ class ServerConfig:
         http_host: str = ...,
         http_port: int = ...,
         http_max_connections: int = ...,
-        http_idle_timeout: float = ...,
+        http_idle_timeout: float | str = ...,
         max_entries: int = ...,
         max_pending: int = ...,
         max_pending_bytes: int = ...,
         max_leases: int = ...,
-        store_admission_timeout: float = ...,
-        retrieve_timeout: float = ...,
-        abandoned_after: float | None = ...,
+        store_admission_timeout: float | str = ...,
+        retrieve_timeout: float | str = ...,
+        abandoned_after: float | str | None = ...,
         l2_io_threads: int = ...,
-        drain_timeout: float = ...,
+        drain_timeout: float | str = ...,
         max_connections: int = ...,
-        rpc_frame_timeout: float = ...,
+        rpc_frame_timeout: float | str = ...,
         rpc_max_buffered_bytes: int = ...,
         shared_url: str | None = ...,
-        shared_lookup_timeout: float = ...,
+        shared_lookup_timeout: float | str = ...,
         shared_upload_queue: int = ...,
     ) -> ServerConfig: ...
     @classmethod

@@ -148,7 +148,7 @@ def _cmd_identity(args: argparse.Namespace) -> int:
 
 _KIND_HINTS = {
     "bytes": "a size: bytes, or a number with a binary unit K/KiB, M/MiB, G/GiB, T/TiB, e.g. 8GiB",
-    "seconds": "seconds, e.g. 2.5",
+    "seconds": "a duration: seconds, or a number with a unit ms/s/m/h/d/w, e.g. 30s, 5m, 2.5",
 }
 
 
@@ -191,7 +191,7 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
             "--" + name.replace("_", "-"),
             type=_flag_parser(name, kind),
             default=argparse.SUPPRESS,
-            metavar=kind.upper(),
+            metavar="DURATION" if kind == "seconds" else kind.upper(),
             help=doc + hint,
         )
 
@@ -532,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--older-than",
         required=True,
         metavar="DURATION",
-        help="age of what is removed: 36h, 7d, 90m or seconds; at least the tier's "
+        help="age of what is removed, a duration: 36h, 7d, 90m or seconds; at least the tier's "
         "safety margin (about 75 minutes)",
     )
     gc.add_argument("--json", action="store_true", help="print one JSON object")

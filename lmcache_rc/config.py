@@ -11,7 +11,9 @@ The class is strict and immutable: an unknown setting or a value of the wrong
 type raises :class:`~lmcache_rc.errors.InvalidType` (a ``TypeError``), a value
 out of range :class:`~lmcache_rc.errors.InvalidInput` (a ``ValueError``).
 Sizes are written ``8G``, ``512MiB`` or ``1.5GiB`` (every unit binary) in flags,
-variables and ``ServerConfig(l1_bytes="8G")`` alike. Defaults need no flags: the
+variables and ``ServerConfig(l1_bytes="8G")`` alike; durations ``30``, ``30s``,
+``5m`` or ``36h`` (:func:`parse_duration`; plain numbers are seconds), and
+read back as seconds. Defaults need no flags: the
 socket lives under the user's runtime directory, the directory in memory
 (``--checkpoint-index-path`` makes it durable; missing folders above it are
 created, 0700), and the shared-memory pool takes at most a quarter of the
@@ -35,6 +37,7 @@ __all__ = [
     "default_l1_bytes",
     "default_socket_path",
     "human_size",
+    "parse_duration",
 ]
 
 
@@ -53,6 +56,16 @@ def human_size(n: int) -> str:
     the core's messages print sizes. Sizes are *read* in the grammar of
     ``docs/configuration.md`` (``8G``, ``512MiB``)."""
     return _native.human_size(n)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration: a number of seconds (``30``, ``2.5``) or a
+    number with a unit ``ms``, ``s``, ``m``, ``h``, ``d`` or ``w`` (``30s``,
+    ``5m``, ``36h``, ``1.5d``). Every duration setting — flags, variables,
+    ``ServerConfig(...)``, ``shared gc --older-than`` — reads this grammar,
+    parsed once by the core (``parse_duration`` in ``rust/core/src/units.rs``).
+    Raises :class:`~lmcache_rc.errors.InvalidInput` (a ``ValueError``)."""
+    return _native.parse_duration(text)
 
 
 def default_index_path() -> str:

@@ -11,7 +11,6 @@ Credentials, region and endpoint come from the standard ``AWS_*`` environment.
 
 from __future__ import annotations
 
-import re
 from typing import cast
 
 from lmcache_rc import _native
@@ -19,19 +18,13 @@ from lmcache_rc.results import SharedGcReport
 
 __all__ = ["gc", "min_gc_age", "parse_duration"]
 
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
-
 
 def parse_duration(text: str) -> float:
-    """Seconds in a duration such as ``3600``, ``90m``, ``36h``, ``7d`` or ``2w``
-    (a number with an optional unit s, m, h, d, w); ValueError otherwise."""
-    match = _DURATION.match(text)
-    if match is None:
-        raise ValueError(
-            f"expected a duration such as 90m, 36h, 7d or a number of seconds, got {text!r}"
-        )
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+    """Seconds in a duration such as ``3600``, ``90m``, ``36h``, ``7d`` or ``2w``:
+    the one duration grammar of every setting (``docs/configuration.md``),
+    parsed by the core. :class:`~lmcache_rc.errors.InvalidInput` (a
+    ``ValueError``) otherwise."""
+    return _native.parse_duration(text)
 
 
 def min_gc_age() -> float:

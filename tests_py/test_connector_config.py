@@ -360,7 +360,8 @@ def test_other_connectors_keys_are_ignored_and_identity_may_be_json() -> None:
             {"checkpoint_identity": {**identity(), "layout": {}}},
             "lmcache_rc.checkpoint_identity",
         ),
-        ({"lookup_timeout": "60"}, "lmcache_rc.lookup_timeout"),
+        ({"lookup_timeout": "60 parsecs"}, "lmcache_rc.lookup_timeout"),
+        ({"lookup_timeout": [60]}, "lmcache_rc.lookup_timeout"),
         ({"lookup_timeout": 0}, "lmcache_rc.lookup_timeout"),
         ({"rpc_timeout": -1.0}, "lmcache_rc.rpc_timeout"),
         ({"rpc_timeout": float("nan")}, "lmcache_rc.rpc_timeout"),
@@ -509,3 +510,17 @@ def test_unreachable_sidecar_names_the_socket_option(tmp_path: Path) -> None:
     connector = LMCacheRecurrentCheckpointConnector(make_config(values), KVConnectorRole.SCHEDULER)
     with pytest.raises(errors.Unavailable, match=r"lmcache_rc\.socket"):
         connector.bind_boundary_checkpoint_cache(_Manager())
+
+
+def test_timeout_options_read_the_one_duration_grammar() -> None:
+    # The grammar of every duration setting (docs/configuration.md): plain
+    # seconds as numbers or text, or a number with a unit.
+    opts = parse_options(
+        extra(lookup_timeout="250ms", task_timeout="5m", close_timeout="90", idle_flush=0),
+        speculative=False,
+    )
+    assert (opts.lookup_timeout, opts.task_timeout, opts.close_timeout) == (0.25, 300.0, 90.0)
+    assert opts.idle_flush == 0
+    for bad in ("soon", "-1s", "1h30m"):
+        with pytest.raises(InvalidConnectorConfig, match=r"lmcache_rc\.lookup_timeout"):
+            parse_options(extra(lookup_timeout=bad), speculative=False)

@@ -32,7 +32,7 @@ def test_unknown_settings_raise_and_name_the_known_ones() -> None:
         ("max_leases", None),
         ("socket", 3),
         ("http_host", b"127.0.0.1"),
-        ("store_admission_timeout", "1"),
+        ("store_admission_timeout", b"1"),
         ("store_admission_timeout", False),
     ],
 )
@@ -88,6 +88,40 @@ def test_environment_variables_are_parsed_by_kind(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("LMCACHE_RC_MAX_LEASES", "many")
     with pytest.raises(ValueError, match="LMCACHE_RC_MAX_LEASES"):
         rc.ServerConfig.from_env()
+
+
+def test_every_duration_setting_reads_one_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python keywords, environment variables, serve flags and
+    ``parse_duration`` read the same durations; plain numbers stay seconds."""
+    from lmcache_rc.config import parse_duration
+
+    for text, seconds in [
+        ("30", 30.0),
+        ("2.5", 2.5),
+        ("30s", 30.0),
+        ("250ms", 0.25),
+        ("5m", 300.0),
+        ("36h", 129600.0),
+        ("1.5d", 129600.0),
+        ("2w", 1209600.0),
+    ]:
+        assert parse_duration(text) == seconds, text
+        assert rc.ServerConfig(drain_timeout=text).drain_timeout == seconds, text
+    assert rc.ServerConfig(abandoned_after="1h").abandoned_after == 3600.0
+    assert rc.ServerConfig(retrieve_timeout=7).retrieve_timeout == 7.0, "numbers still seconds"
+    monkeypatch.setenv("LMCACHE_RC_RETRIEVE_TIMEOUT", "2m")
+    monkeypatch.setenv("LMCACHE_RC_ABANDONED_AFTER", "90")
+    c = rc.ServerConfig.from_env()
+    assert (c.retrieve_timeout, c.abandoned_after) == (120.0, 90.0)
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    args = serve.parse_args(["--drain-timeout", "1.5m", "--shared-lookup-timeout", "200ms"])
+    config = _config_from(args)
+    assert (config.drain_timeout, config.shared_lookup_timeout) == (90.0, 0.2)
+    for bad in ["soon", "-1s", "1h30m", "nan", ""]:
+        with pytest.raises(errors.InvalidInput, match="a duration"):
+            parse_duration(bad)
+        with pytest.raises(ValueError, match="drain_timeout: expected a duration"):
+            rc.ServerConfig(drain_timeout=bad)
 
 
 def test_cli_flags_and_help_come_from_the_settings() -> None:

@@ -44,6 +44,7 @@ mod service_shared;
 mod service_write_once;
 #[cfg(feature = "shared-tier")]
 mod shared_tier;
+mod sidecar;
 mod store_alloc;
 mod store_l2;
 mod store_shm;

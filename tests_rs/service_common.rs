@@ -354,9 +354,9 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use lmcache_rc_core::service::object_keys;
 use lmcache_rc_core::store::ObjectKey;
 use lmcache_rc_core::store::l2::object_file_bytes;
+use lmcache_rc_core::store::object_keys;
 
 /// Namespace of the standard-style manifests (tests vary it for isolation).
 pub const NS: &str = "recurrent-sha256-v1:service-suite";

@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use lmcache_rc_core::manifest::{CheckpointPayload, PageGroup};
-use lmcache_rc_core::service::object_keys;
 use lmcache_rc_core::shared::{LookupMiss, SharedConfig, SharedCounter, SharedTier};
 use lmcache_rc_core::store::ObjectKey;
+use lmcache_rc_core::store::object_keys;
 use lmcache_rc_core::{Error, Manifest, Prefix, TokenRoots, checkpoint_generation, json};
 
 use crate::s3_server::S3Server;

@@ -133,7 +133,7 @@ fn a_pool_larger_than_the_available_memory_fails_at_creation() {
     assert_eq!(err.kind(), ErrorKind::OutOfSpace, "{err}");
     let message = err.to_string();
     // Sizes for people: "cannot reserve 20.0 GiB ...: only 16.0 GiB are available".
-    let wanted = lmcache_rc_core::config::human_size(size);
+    let wanted = lmcache_rc_core::units::human_size(size);
     assert!(message.contains(&format!("reserve {wanted} ")), "{message}");
     assert!(!message.contains(&size.to_string()), "raw bytes: {message}");
     assert!(message.contains("lower --l1-bytes"), "{message}");

@@ -24,7 +24,7 @@ from typing import Any
 
 from lmcache_rc import errors
 from lmcache_rc._native import TokenRoots
-from lmcache_rc.config import default_socket_path
+from lmcache_rc.config import default_socket_path, parse_duration
 from lmcache_rc.worker import (
     DEFAULT_COPY_WORKERS,
     DEFAULT_MAX_COPIES_IN_FLIGHT,
@@ -117,8 +117,14 @@ class Option:
         """The validated value; :class:`InvalidConnectorConfig` naming the option."""
         name = self.name
         if self.kind == "seconds":
+            if isinstance(value, str):
+                # The one duration grammar (``30``, ``250ms``, ``5m``, ``1.5h``).
+                try:
+                    value = parse_duration(value)
+                except ValueError as e:
+                    raise _bad(name, f"must be a duration, got {value!r} ({e})") from None
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise _bad(name, f"must be a number of seconds, got {value!r}")
+                raise _bad(name, f"must be a number of seconds or a duration, got {value!r}")
             v = float(value)
             if not math.isfinite(v) or v < 0 or (v == 0 and not self.zero):
                 raise _bad(name, f"must be a positive number of seconds, got {value!r}")

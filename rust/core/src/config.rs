@@ -19,6 +19,7 @@ use crate::http;
 use crate::rpc;
 use crate::service::{ServiceConfig, SharedSettings};
 use crate::store::shm::default_l1_bytes;
+use crate::units::{DURATION_GRAMMAR, SIZE_GRAMMAR, human_size, parse_duration, parse_size};
 
 /// What kind of value a setting holds (also how the CLI parses it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +34,8 @@ pub enum FieldKind {
     Count,
     /// A signed integer.
     Signed,
-    /// A non-negative duration in seconds (fractions allowed).
+    /// A non-negative duration; as text, a duration ([`parse_duration`]:
+    /// `2.5` seconds, `30s`, `5m`, `36h`), in Python a number of seconds.
     Seconds,
 }
 
@@ -58,7 +60,7 @@ impl FieldKind {
             FieldKind::Bytes => "8GiB",
             FieldKind::Count => "64",
             FieldKind::Signed => "-1",
-            FieldKind::Seconds => "2.5",
+            FieldKind::Seconds => "30s",
         }
     }
 
@@ -93,74 +95,11 @@ impl FieldKind {
             }
             FieldKind::Signed => FieldValue::Signed(t.parse().map_err(|_| bad("an integer"))?),
             FieldKind::Seconds => {
-                let s: f64 = t.parse().map_err(|_| bad("a number of seconds"))?;
-                FieldValue::Seconds(
-                    seconds(s).map_err(|_| bad("a non-negative number of seconds"))?,
-                )
+                FieldValue::Seconds(parse_duration(t).ok_or_else(|| bad(DURATION_GRAMMAR))?)
             }
         };
         Ok(Some(value))
     }
-}
-
-/// What a size may look like (error messages, `docs/configuration.md`).
-pub const SIZE_GRAMMAR: &str = "a size: a whole number of bytes, or a number with a binary unit \
-     K/KB/KiB, M/MB/MiB, G/GB/GiB or T/TB/TiB (any case; every unit is a power of 1024)";
-
-/// A size: a number of bytes with an optional unit (`512`, `4K`, `1.5G`,
-/// `2GiB`, `8 gb`). Every unit is binary (K = KB = KiB = 1024 bytes); a
-/// fraction must come out as whole bytes. None for anything else.
-pub fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = (&t[..split], t[split..].trim());
-    let shift = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return None,
-    };
-    if number.is_empty() || number.starts_with('.') || number.ends_with('.') {
-        return None;
-    }
-    if let Ok(n) = number.parse::<u64>() {
-        return n.checked_mul(1u64 << shift);
-    }
-    // A fraction: exact in f64 for every size below 2^53 bytes.
-    let value: f64 = number.parse().ok()?;
-    let bytes = value * (1u64 << shift) as f64;
-    (bytes.is_finite() && bytes.fract() == 0.0 && bytes < 9.0e15).then_some(bytes as u64)
-}
-
-/// A size for people, in binary units with one decimal: `8.0 GiB`,
-/// `512.0 MiB`, `4.0 KiB`; below 1 KiB `100 bytes`. Log lines and messages
-/// print sizes this way (the CLI too, through the binding).
-pub fn human_size(bytes: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    if bytes < 1024 {
-        return format!("{bytes} bytes");
-    }
-    let mut value = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.1} {}", UNITS[unit])
-}
-
-/// A duration from seconds: finite and not negative.
-pub fn seconds(value: f64) -> Result<Duration> {
-    if !(0.0..1e12).contains(&value) {
-        return Err(Error::invalid(format!(
-            "expected a non-negative number of seconds, got {value}"
-        )));
-    }
-    Ok(Duration::from_secs_f64(value))
 }
 
 /// One setting's value.
@@ -703,41 +642,24 @@ mod tests {
             p(FieldKind::Seconds, "1.5", true).unwrap(),
             Some(FieldValue::Seconds(Duration::from_millis(1500)))
         );
-        for (text, bytes) in [
-            ("8G", 8u64 << 30),
-            ("512MiB", 512 << 20),
-            ("1.5GB", 3 << 29),
-            ("2 tib", 2 << 40),
-            ("4k", 4096),
-            ("100b", 100),
-        ] {
-            assert_eq!(parse_size(text), Some(bytes), "{text}");
-        }
-        for text in [
-            "banana",
-            "",
-            "G",
-            "1.5",
-            "0.1K",
-            "-1G",
-            "1e3",
-            "1.G",
-            "8GX",
-            "99999999T",
-        ] {
-            assert_eq!(parse_size(text), None, "{text}");
-        }
-        assert_eq!(human_size(8 << 30), "8.0 GiB");
-        assert_eq!(human_size(1536), "1.5 KiB");
-        assert_eq!(human_size(1023), "1023 bytes");
-        assert_eq!(human_size(3 << 41), "6.0 TiB");
-        assert_eq!(human_size(3 << 51), "6144.0 TiB");
         let e = p(FieldKind::Bytes, "banana", false)
             .unwrap_err()
             .to_string();
         assert!(e.contains("\"banana\"") && e.contains("e.g. 8GiB"), "{e}");
         assert!(p(FieldKind::Count, "-1", false).is_err());
         assert!(p(FieldKind::Seconds, "nan", false).is_err());
+        assert_eq!(
+            p(FieldKind::Seconds, "5m", false).unwrap(),
+            Some(FieldValue::Seconds(Duration::from_secs(300))),
+            "a duration setting takes the duration grammar"
+        );
+        let e = p(FieldKind::Seconds, "5 minutes", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ms, s, m, h, d or w") && e.contains("e.g. 30s"),
+            "{e}"
+        );
         assert_eq!(
             p(FieldKind::Signed, "-1", false).unwrap(),
             Some(FieldValue::Signed(-1))

@@ -11,11 +11,13 @@
 //! - [`private`]: ownership, link and mode checks of the paths a sidecar keeps;
 //! - [`protocol`]: the checkpoint operation set and its types (one owner);
 //! - [`service`]: the checkpoint service (leases, publication, tiers, restart);
+//! - [`sidecar`]: a whole sidecar (service, RPC server, HTTP admin) started and stopped in order;
 //! - [`store`]: the SHM pool, its slot allocator and the L2 file tier;
 //! - [`rpc`]: the sidecar's wire format, RPC server and client;
 //! - [`peer`]: the local processes behind connections, and whether they live;
 //! - `shared` (feature `shared-tier`): the tier shared across hosts on an object store;
 //! - [`transfer`]: worker copies between a page pool and shared memory;
+//! - [`units`]: how sizes and durations are written and printed;
 //! - [`error`]: the crate's one error enum.
 #![deny(missing_docs)]
 
@@ -38,8 +40,10 @@ pub mod rpc;
 pub mod service;
 #[cfg(feature = "shared-tier")]
 pub mod shared;
+pub mod sidecar;
 pub mod store;
 pub mod transfer;
+pub mod units;
 
 pub use error::{Error, ErrorKind, Result};
 pub use identity::{Prefix, TokenRoots, checkpoint_generation, checkpoint_namespace};

@@ -8,9 +8,8 @@
 
 use std::path::PathBuf;
 
-use lmcache_rc_core::config::{
-    FieldKind, FieldSpec, FieldValue, SidecarConfig, parse_field, parse_size, seconds,
-};
+use lmcache_rc_core::config::{FieldKind, FieldSpec, FieldValue, SidecarConfig, parse_field};
+use lmcache_rc_core::units::{DURATION_GRAMMAR, SIZE_GRAMMAR, parse_duration, parse_size, seconds};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple, PyType};
@@ -78,7 +77,7 @@ fn value_of(field: &FieldSpec, value: &Bound<'_, PyAny>) -> PyResult<Option<Fiel
             FieldValue::Unsigned(parse_size(&text).ok_or_else(|| {
                 invalid(format!(
                     "{name}: expected {}, got {text:?} (e.g. 8GiB)",
-                    lmcache_rc_core::config::SIZE_GRAMMAR
+                    SIZE_GRAMMAR
                 ))
             })?)
         }
@@ -114,9 +113,18 @@ fn value_of(field: &FieldSpec, value: &Bound<'_, PyAny>) -> PyResult<Option<Fiel
                     .map_err(|_| invalid(format!("{name} must be a 64-bit integer")))?,
             )
         }
+        FieldKind::Seconds if value.is_instance_of::<PyString>() => {
+            // A duration as text, as flags and variables take it ("30s", "5m").
+            let text: String = value.extract()?;
+            FieldValue::Seconds(parse_duration(&text).ok_or_else(|| {
+                invalid(format!("{name}: expected {DURATION_GRAMMAR}, got {text:?}"))
+            })?)
+        }
         FieldKind::Seconds => {
             if !(is_int || value.is_instance_of::<PyFloat>()) {
-                return Err(wrong("a number of seconds"));
+                return Err(wrong(
+                    "a number of seconds or a duration string such as '30s'",
+                ));
             }
             let s: f64 = value.extract()?;
             FieldValue::Seconds(seconds(s).map_err(|e| invalid(format!("{name}: {e}")))?)
@@ -264,7 +272,17 @@ pub fn default_socket_path() -> std::ffi::OsString {
 /// messages and the CLI print sizes.
 #[pyfunction]
 pub fn human_size(bytes: u64) -> String {
-    lmcache_rc_core::config::human_size(bytes)
+    lmcache_rc_core::units::human_size(bytes)
+}
+
+/// Seconds in a duration: a number of seconds, or a number with a unit ms,
+/// s, m, h, d or w (`30`, `2.5`, `30s`, `5m`, `36h`, `1.5d`); the one duration
+/// grammar of every setting. `InvalidInput` (a `ValueError`) otherwise.
+#[pyfunction(name = "parse_duration")]
+pub fn parse_duration_seconds(text: &str) -> PyResult<f64> {
+    parse_duration(text)
+        .map(|d| d.as_secs_f64())
+        .ok_or_else(|| invalid(format!("expected {DURATION_GRAMMAR}, got {text:?}")))
 }
 
 /// The default L1 pool size (a quarter of the available memory, ≤ 1 GiB).

@@ -37,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shared::shared_gc, m)?)?;
     m.add_function(wrap_pyfunction!(shared::shared_min_gc_age, m)?)?;
     m.add_function(wrap_pyfunction!(config::human_size, m)?)?;
+    m.add_function(wrap_pyfunction!(config::parse_duration_seconds, m)?)?;
     m.add_class::<config::PyServerConfig>()?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;

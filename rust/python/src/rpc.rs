@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use lmcache_rc_core::Error;
 use lmcache_rc_core::protocol::{Checkpoints, CheckpointsAsync};
-use lmcache_rc_core::rpc::{self, Client, ClientConfig};
+use lmcache_rc_core::rpc::{Client, ClientConfig};
+use lmcache_rc_core::sidecar::Sidecar;
 use lmcache_rc_core::store::shm::ShmPool;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -18,7 +18,7 @@ use pyo3::types::{PyDict, PyList};
 use std::ffi::c_int;
 
 use crate::config::PyServerConfig;
-use crate::errors::{IntoPyResult, invalid, to_pyerr};
+use crate::errors::{IntoPyResult, invalid};
 use crate::fork::Owned;
 use crate::identity::PyManifest;
 use crate::protocol::{PyLease, ToPython, checkpoint_pymethods};
@@ -264,53 +264,28 @@ impl MappedSlotView {
 }
 
 /// The sidecar running in this process (tests, notebooks, `lmcache-rc
-/// demo`): the same RPC server over a Unix socket, on background threads.
+/// demo`, `lmcache-rc serve`): the core's `Sidecar` — the same RPC server
+/// over a Unix socket and the HTTP admin API, on background threads.
 #[pyclass(name = "Server", module = "lmcache_rc._native", frozen)]
 pub struct PyServer {
-    inner: Owned<ServerParts>,
+    inner: Owned<Sidecar>,
     socket: String,
-    drain: Duration,
     http_url: Option<String>,
     admin_file: Option<String>,
 }
 
-/// What a `Server` owns: its threads (the RPC server, the HTTP admin API).
-struct ServerParts {
-    /// Taken (and dropped, which unlinks the pool) by `stop`.
-    server: Mutex<Option<Arc<rpc::Server>>>,
-    stopped: Mutex<Option<rpc::ShutdownReport>>,
-    /// The HTTP admin API (None when http_port is negative).
-    http: Mutex<Option<lmcache_rc_core::http::HttpAdmin>>,
-}
-
 impl Drop for PyServer {
     fn drop(&mut self) {
-        // A server never stopped stops now, without draining. Its threads
-        // may log (which needs the GIL), so wait for them without it. In a
-        // forked child there is nothing to stop (see `fork`).
-        let Some(parts) = self.inner.local() else {
-            return;
-        };
-        // The HTTP admin API first: it removes its admin file before the
-        // RPC server removes the socket's (temporary) directory.
-        let http = lock(&parts.http).take();
-        let taken = lock(&parts.server).take();
-        if http.is_some() || taken.is_some() {
-            Python::attach(|py| {
-                py.detach(move || {
-                    drop(http);
-                    drop(taken);
-                })
-            });
+        // A server never stopped stops now, without draining (the
+        // sidecar's drop). Its threads may log (which needs the GIL), so
+        // wait for them without it. In a forked child there is nothing to
+        // stop (see `fork`).
+        if let Some(sidecar) = self.inner.local() {
+            if !sidecar.is_stopped() {
+                Python::attach(|py| py.detach(|| sidecar.stop(Some(Duration::ZERO)).map(drop)))
+                    .unwrap_or_else(|e| log::warn!("stopping the lmcache-rc server: {e}"));
+            }
         }
-    }
-}
-
-impl PyServer {
-    fn running(&self) -> PyResult<Arc<rpc::Server>> {
-        lock(&self.inner.get()?.server)
-            .clone()
-            .ok_or_else(|| to_pyerr(Error::Closed("lmcache-rc server")))
     }
 }
 
@@ -322,9 +297,8 @@ impl PyServer {
     /// use) = in a fresh private temporary directory when the config's socket
     /// is the default one, else on the config's socket; False = always on the
     /// config's socket (`lmcache-rc serve`); True = always in a fresh
-    /// temporary directory. In a temporary directory, a pool name derived from
-    /// the configured socket is derived from the new socket instead, so
-    /// embedded servers never collide with a sidecar or with each other.
+    /// temporary directory, so embedded servers never collide with a sidecar
+    /// or with each other.
     #[staticmethod]
     #[pyo3(signature = (config, *, temp_socket = None))]
     fn start(
@@ -333,44 +307,12 @@ impl PyServer {
         temp_socket: Option<bool>,
     ) -> PyResult<PyServer> {
         let config = &config.inner;
-        for warning in config.deprecations() {
-            log::warn!("{warning}");
-        }
-        let (service, rpc_config) = config.server_configs(temp_socket).py()?;
-        let drain = rpc_config.drain_timeout;
-        let server = py.detach(|| rpc::Server::open(service, rpc_config)).py()?;
-        // The server owns its socket now: the admin file beside it is ours
-        // to write, or (HTTP off) to remove when a killed server left one.
-        let http = match config.http_config(server.socket_path()).py()? {
-            Some(http_config) => {
-                // `/status` answers the server's status (RPC counters, socket).
-                let service = server.admin_view();
-                Some(
-                    py.detach(|| lmcache_rc_core::http::HttpAdmin::start(http_config, service))
-                        .py()?,
-                )
-            }
-            None => {
-                lmcache_rc_core::http::remove_stale_admin_file(server.socket_path());
-                None
-            }
-        };
+        let sidecar = py.detach(|| Sidecar::start(config, temp_socket)).py()?;
         Ok(PyServer {
-            socket: server.socket_path().display().to_string(),
-            drain,
-            http_url: http.as_ref().map(|h| h.url()),
-            admin_file: http
-                .as_ref()
-                .and_then(|h| h.admin_file())
-                .map(|p| p.display().to_string()),
-            inner: Owned::new(
-                "Server",
-                ServerParts {
-                    server: Mutex::new(Some(Arc::new(server))),
-                    stopped: Mutex::new(None),
-                    http: Mutex::new(http),
-                },
-            ),
+            socket: sidecar.socket_path().display().to_string(),
+            http_url: sidecar.http_url().map(str::to_string),
+            admin_file: sidecar.admin_file().map(|p| p.display().to_string()),
+            inner: Owned::new("Server", sidecar),
         })
     }
 
@@ -404,8 +346,8 @@ impl PyServer {
 
     /// The service's status plus the RPC counters (rpc_connections, ...).
     fn status(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let server = self.running()?;
-        let status = py.detach(|| server.status()).py()?;
+        let sidecar = self.inner.get()?;
+        let status = py.detach(|| sidecar.status()).py()?;
         status.to_python(py)
     }
 
@@ -420,28 +362,11 @@ impl PyServer {
             Some(t) if !(t.is_finite() && t >= 0.0) => {
                 return Err(invalid("timeout must be a non-negative number of seconds"));
             }
-            Some(t) => Duration::from_secs_f64(t.min(1e9)),
-            None => self.drain,
+            Some(t) => Some(Duration::from_secs_f64(t.min(1e9))),
+            None => None,
         };
-        let parts = self.inner.get()?;
-        if let Some(mut http) = lock(&parts.http).take() {
-            py.detach(|| http.stop());
-        }
-        let taken = lock(&parts.server).take();
-        let report = match taken {
-            Some(server) => {
-                let report = py.detach(|| {
-                    let report = server.shutdown_with(drain);
-                    // The last reference drops the service: its pool is unlinked.
-                    drop(server);
-                    report
-                });
-                let report = report.py()?;
-                *lock(&parts.stopped) = Some(report.clone());
-                report
-            }
-            None => lock(&parts.stopped).clone().unwrap_or_default(),
-        };
+        let sidecar = self.inner.get()?;
+        let report = py.detach(|| sidecar.stop(drain)).py()?;
         let d = PyDict::new(py);
         d.set_item("drained", report.drained)?;
         d.set_item("live_leases", report.live_leases)?;
@@ -452,7 +377,7 @@ impl PyServer {
     /// Whether `stop` ran.
     #[getter]
     fn stopped(&self) -> PyResult<bool> {
-        Ok(lock(&self.inner.get()?.server).is_none())
+        Ok(self.inner.get()?.is_stopped())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -467,7 +392,7 @@ impl PyServer {
 
     fn __repr__(&self) -> String {
         let stopped = match self.inner.local() {
-            Some(parts) if lock(&parts.server).is_none() => "True",
+            Some(sidecar) if sidecar.is_stopped() => "True",
             Some(_) => "False",
             None => "False (a forked child's copy)",
         };

@@ -14,7 +14,7 @@ use crate::errors::IntoPyResult;
 /// age below the tier's safety margin (InvalidInput). Runs without the GIL.
 #[pyfunction]
 pub fn shared_gc<'py>(py: Python<'py>, url: &str, older_than: f64) -> PyResult<Bound<'py, PyDict>> {
-    let older_than = lmcache_rc_core::config::seconds(older_than).py()?;
+    let older_than = lmcache_rc_core::units::seconds(older_than).py()?;
     let config = SharedConfig::new(url);
     let report = py
         .detach(|| SharedTier::open(config).and_then(|tier| tier.gc(older_than)))

@@ -31,6 +31,7 @@
 //! This module never does I/O and knows no transport.
 
 mod pending;
+mod pool;
 mod types;
 
 use crate::error::Result;
@@ -38,6 +39,7 @@ use crate::identity::Prefix;
 use crate::manifest::Manifest;
 
 pub use pending::{Pending, Waitable};
+pub use pool::PoolSource;
 pub use types::{
     Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, MissReason, ServiceStatus, Slot,
 };

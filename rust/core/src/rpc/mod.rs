@@ -121,3 +121,18 @@ pub use crate::protocol::Pending;
 pub use client::{Client, ClientConfig, PendingReply};
 pub use server::{Server, ServerConfig, ShutdownReport, default_socket_path, temp_socket_path};
 pub use wire::{PROTOCOL_VERSION, Reply, Request, Value};
+
+use std::os::fd::OwnedFd;
+
+use crate::error::Result;
+use crate::protocol::{Capabilities, PoolSource};
+
+/// The RPC client hands out the pool its connection's handshake handed over.
+impl PoolSource for Client {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        Client::share_pool(self)
+    }
+    fn pool_id(&self) -> Result<String> {
+        Client::pool_id(self)
+    }
+}

@@ -38,7 +38,6 @@
 
 mod admin;
 mod counters;
-mod keys;
 mod open;
 mod reclaim;
 mod retrieve;
@@ -50,6 +49,7 @@ mod tiers;
 mod types;
 mod upkeep;
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,12 +59,11 @@ use crate::error::Result;
 use crate::identity::Prefix;
 use crate::index::Directory;
 use crate::manifest::Manifest;
-use crate::protocol::{Checkpoints, CheckpointsAsync};
+use crate::protocol::{Checkpoints, CheckpointsAsync, PoolSource};
 use crate::store::l2::{IoPool, L2Tier};
 use crate::store::shm::ShmPool;
 
 pub use counters::Counter;
-pub use keys::object_keys;
 pub use reclaim::{Holder, Reclaimed, SWEEP_EVERY};
 pub use state::{L1, L2};
 pub use types::{ServiceConfig, SharedSettings};
@@ -252,6 +251,19 @@ impl Drop for CheckpointService {
         // Drain background I/O while this handle still owns the service, so
         // no I/O thread ever drops the last reference (it would join itself).
         self.inner.drain_io();
+    }
+}
+
+/// The in-process service hands out its own pool.
+impl PoolSource for CheckpointService {
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
+        Ok((
+            CheckpointService::capabilities(self),
+            CheckpointService::pool(self).share()?,
+        ))
+    }
+    fn pool_id(&self) -> Result<String> {
+        Ok(CheckpointService::pool(self).id().to_string())
     }
 }
 

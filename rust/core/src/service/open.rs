@@ -5,7 +5,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::counters::Counter;
-use super::keys::object_keys;
 use super::state::{Obj, State};
 use super::tiers::StateLock;
 use super::upkeep::Upkeep;
@@ -18,6 +17,7 @@ use crate::store::alloc::SlotAllocator;
 use crate::store::l2::{
     Binding, Fs, Inventory, IoPool, L2Tier, RealFs, read_binding, write_binding,
 };
+use crate::store::object_keys;
 use crate::store::shm::ShmPool;
 
 impl CheckpointService {

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::counters::Counter;
-use super::keys::object_keys;
 use super::reclaim::Holder;
 use super::state::{Fetch, L1, L2, RetrieveLease, State};
 use super::store::check_rank;
@@ -16,6 +15,7 @@ use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::protocol::{Lease, MissReason};
 use crate::store::ObjectKey;
+use crate::store::object_keys;
 
 /// The longest listed generation whose prefix is a whole-token prefix of
 /// the query. A candidate only: every rank must still retrieve it.

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::counters::Counter;
-use super::keys::object_keys;
 use super::reclaim::Holder;
 use super::state::{L1, PendingGen, RankState, State, StoreLease};
 use crate::error::{Error, Result};
 use crate::manifest::Manifest;
 use crate::protocol::{Lease, MissReason, Slot};
 use crate::store::ObjectKey;
+use crate::store::object_keys;
 
 /// How long a capacity wait sleeps between retries at most.
 const RETRY_WAIT: Duration = Duration::from_millis(100);

@@ -41,8 +41,7 @@ use self::store::{Outcome, Store};
 use crate::error::{Error, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
-use crate::service::object_keys;
-use crate::store::ObjectKey;
+use crate::store::{ObjectKey, object_keys};
 
 /// Settings of a shared tier.
 #[derive(Debug, Clone)]

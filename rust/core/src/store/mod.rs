@@ -1,14 +1,18 @@
 //! Payload storage: the shared-memory L1 pool and its slot allocator, and the
-//! filesystem L2 tier. The object table and reference counts live in
-//! `service/`; this module owns bytes and space only.
+//! filesystem L2 tier, and which object holds each page (`keys`). The object
+//! table and reference counts live in `service/`; this module owns bytes,
+//! space and object names only.
 
 use std::fmt;
 
 pub mod alloc;
+pub mod keys;
 pub mod l2;
 pub mod shm;
 
-/// The storage key of one payload page: 32 bytes derived (in `service`) from
+pub use keys::object_keys;
+
+/// The storage key of one payload page: 32 bytes derived ([`object_keys`]) from
 /// the namespace, rank, storage group and either the generation (schema 1) or
 /// the page's content key (schema 2). Rendered as 64 lowercase hex characters
 /// in file names.

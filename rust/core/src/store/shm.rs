@@ -36,8 +36,8 @@ use memmap2::{MmapOptions, MmapRaw};
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 use rustix::io::Errno;
 
-use crate::config::human_size;
 use crate::error::{Error, Result};
+use crate::units::human_size;
 
 /// Granularity of pool sizes.
 const PAGE: u64 = 4096;

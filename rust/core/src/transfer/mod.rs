@@ -52,10 +52,11 @@ pub mod layout;
 pub mod plan;
 mod sidecar;
 
+pub use crate::protocol::PoolSource;
 pub use backend::{
     CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, copy_runs,
 };
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, JobPhases, Outcome, TransferEngine};
 pub use layout::{GroupLayout, PageLayout, PoolShape, RegionTemplate};
 pub use plan::{CopyPlan, Direction, PageCopy};
-pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, PoolSource, ReplyHandle};
+pub use sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};

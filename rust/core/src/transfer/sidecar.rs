@@ -1,7 +1,7 @@
 //! How the transfer engine talks to the checkpoint service.
 //!
 //! The engine needs six lease operations and the pool (its capabilities and a
-//! descriptor to map, see [`PoolSource`]), and for the RPC-timeout
+//! descriptor to map, see [`PoolSource`], a protocol trait), and for the RPC-timeout
 //! reconciliation (`docs/design/transfers.md#rpc-timeout-reconciliation`) it
 //! must be able to wait *again on the same reply* rather than send a second
 //! request. [`LeaseApi`] therefore hands out a [`ReplyHandle`] per call. Its
@@ -17,9 +17,7 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::manifest::Manifest;
-use crate::protocol::{Capabilities, CheckpointsAsync, Lease, Pending};
-use crate::rpc::Client;
-use crate::service::CheckpointService;
+use crate::protocol::{Capabilities, CheckpointsAsync, Lease, Pending, PoolSource};
 
 /// One lease operation of a transfer job.
 #[derive(Debug, Clone)]
@@ -112,39 +110,6 @@ pub trait ReplyHandle: Send {
     /// Waits up to `timeout`; [`crate::Error::Timeout`] leaves the call
     /// pending so that the caller can wait again on the same reply.
     fn wait(&self, timeout: Duration) -> Result<LeaseAnswer>;
-}
-
-/// Where a worker gets the service's shared-memory pool.
-pub trait PoolSource {
-    /// The capabilities (pool id and size, format version) and a new
-    /// descriptor of that very pool, to map.
-    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)>;
-    /// The id of the pool leases come from now, without a round trip when
-    /// possible (the RPC client reconnects if it must, but makes no call).
-    fn pool_id(&self) -> Result<String>;
-}
-
-/// The in-process service: its own pool.
-impl PoolSource for CheckpointService {
-    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
-        Ok((
-            CheckpointService::capabilities(self),
-            CheckpointService::pool(self).share()?,
-        ))
-    }
-    fn pool_id(&self) -> Result<String> {
-        Ok(CheckpointService::pool(self).id().to_string())
-    }
-}
-
-/// The RPC client: the pool its connection's handshake handed over.
-impl PoolSource for Client {
-    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
-        Client::share_pool(self)
-    }
-    fn pool_id(&self) -> Result<String> {
-        Client::pool_id(self)
-    }
 }
 
 /// The lease operations a transfer engine needs from the checkpoint service.

@@ -291,7 +291,7 @@ impl L2Tier {
             "L2 open {}: {} objects, {}",
             root.display(),
             inventory.objects.len(),
-            crate::config::human_size(accounting.used)
+            crate::units::human_size(accounting.used)
         );
         let tier = L2Tier {
             root: root.to_path_buf(),

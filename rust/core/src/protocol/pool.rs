@@ -1,0 +1,24 @@
+//! Where a worker gets the service's shared-memory pool ([`PoolSource`]).
+//!
+//! Part of the protocol, beside the operation set: every implementation of
+//! [`Checkpoints`](super::Checkpoints) that a worker copies through also
+//! hands out its pool — the in-process service its own
+//! (`service/mod.rs`), the RPC client the descriptor its connection's
+//! handshake handed over (`rpc/mod.rs`) — and the transfer engine maps it
+//! without naming either.
+
+use std::os::fd::OwnedFd;
+
+use crate::error::Result;
+
+use super::Capabilities;
+
+/// Where a worker gets the service's shared-memory pool.
+pub trait PoolSource {
+    /// The capabilities (pool id and size, format version) and a new
+    /// descriptor of that very pool, to map.
+    fn share_pool(&self) -> Result<(Capabilities, OwnedFd)>;
+    /// The id of the pool leases come from now, without a round trip when
+    /// possible (the RPC client reconnects if it must, but makes no call).
+    fn pool_id(&self) -> Result<String>;
+}
