@@ -30,6 +30,10 @@ fn shared_settings(server: &S3Server, bucket: &str) -> SharedSettings {
             ("aws_region".into(), "us-east-1".into()),
             ("aws_allow_http".into(), "true".into()),
         ],
+        // Generous: a lookup must not time out on a busy test machine (the
+        // default 200 ms did, failing a find that was not about timing).
+        // Tests of the timeout set their own.
+        lookup_timeout: std::time::Duration::from_secs(10),
         ..SharedSettings::new(format!("s3://{bucket}/h"))
     }
 }
