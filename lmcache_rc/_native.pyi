@@ -23,6 +23,9 @@ from lmcache_rc.results import (
 )
 
 __version__: str
+# Every protocol operation, in wire-tag order (the core's operation table);
+# CheckpointService and Client have each, plus its ``_async`` twin.
+OPERATIONS: tuple[str, ...]
 
 __all__ = [
     "CheckpointPayload",
@@ -33,6 +36,7 @@ __all__ = [
     "Lease",
     "Manifest",
     "MappedSlotView",
+    "OPERATIONS",
     "Prefix",
     "Server",
     "ServerConfig",

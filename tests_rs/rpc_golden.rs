@@ -184,7 +184,7 @@ fn replies() -> Vec<(&'static str, Reply)> {
         },
     ];
     vec![
-        ("capabilities", ok(Value::Capabilities(caps.into()))),
+        ("capabilities", ok(Value::Capabilities(caps))),
         (
             "find",
             ok(Value::Manifest(Some(WireManifest::from(&manifest())))),
@@ -192,27 +192,22 @@ fn replies() -> Vec<(&'static str, Reply)> {
         ("find.miss", ok(Value::Manifest(None))),
         ("begin", ok(Value::Bool(true))),
         ("abort", ok(Value::Unit)),
-        ("prepare_store", ok(Value::Lease(ready.into()))),
-        ("prepare_store.busy", ok(Value::Lease(Lease::busy().into()))),
+        ("prepare_store", ok(Value::Lease(ready))),
+        ("prepare_store.busy", ok(Value::Lease(Lease::busy()))),
         ("finish_store", ok(Value::Bool(false))),
         (
             "begin_retrieve",
-            ok(Value::Lease(Lease::pending("lease-2".into()).into())),
+            ok(Value::Lease(Lease::pending("lease-2".into()))),
         ),
         (
             "poll_retrieve",
-            ok(Value::Lease(Lease::miss(MissReason::LostObject).into())),
+            ok(Value::Lease(Lease::miss(MissReason::LostObject))),
         ),
         ("finish_retrieve", ok(Value::Unit)),
         ("cancel_retrieve", ok(Value::Unit)),
-        ("status", ok(Value::Status(status.into()))),
-        ("clear", ok(Value::Clear(report.into()))),
-        (
-            "list_generations",
-            ok(Value::Generations(
-                generations.into_iter().map(Into::into).collect(),
-            )),
-        ),
+        ("status", ok(Value::Status(status))),
+        ("clear", ok(Value::Clear(report))),
+        ("list_generations", ok(Value::Generations(generations))),
         ("invalidate_namespace", ok(Value::Count(300))),
         (
             "error",
