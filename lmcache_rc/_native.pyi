@@ -28,6 +28,7 @@ __version__: str
 OPERATIONS: tuple[str, ...]
 
 __all__ = [
+    "OPERATIONS",
     "CheckpointPayload",
     "CheckpointService",
     "Client",
@@ -36,7 +37,6 @@ __all__ = [
     "Lease",
     "Manifest",
     "MappedSlotView",
-    "OPERATIONS",
     "Prefix",
     "Server",
     "ServerConfig",
