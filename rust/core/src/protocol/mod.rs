@@ -13,6 +13,9 @@
 //!   [`Pending`] future. Its default methods answer at once from the
 //!   blocking call (what an in-process service does); the RPC client
 //!   overrides them with pipelined requests.
+//! - [`Decorator`] wraps an implementation and overrides only what it
+//!   changes; everything else is forwarded (the RPC server's views of the
+//!   service, test doubles).
 //! - The values ([`Lease`], [`LeaseStatus`], [`Slot`], [`MissReason`],
 //!   [`Capabilities`], [`ServiceStatus`], [`ClearReport`],
 //!   [`GenerationInfo`]) and the versions ([`PROTOCOL_VERSION`],

@@ -16,7 +16,8 @@
 //!
 //! Requests are carried out through [`Request::apply`] on [`Served`], the
 //! service as the server exposes it: the same operations, except that
-//! admission stops at shutdown and status adds the RPC layer's counters.
+//! admission stops at shutdown and status adds the RPC layer's counters
+//! (a [`Decorator`] of the service overriding just those four operations).
 //!
 //! Leases belong to processes, not to connections. Each connection records
 //! its peer process ([`Peer`]: `SO_PEERCRED` pid, pinned by a pidfd or its
