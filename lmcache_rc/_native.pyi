@@ -23,8 +23,12 @@ from lmcache_rc.results import (
 )
 
 __version__: str
+# Every protocol operation, in wire-tag order (the core's operation table);
+# CheckpointService and Client have each, plus its ``_async`` twin.
+OPERATIONS: tuple[str, ...]
 
 __all__ = [
+    "OPERATIONS",
     "CheckpointPayload",
     "CheckpointService",
     "Client",

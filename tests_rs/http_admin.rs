@@ -6,12 +6,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 
-use lmcache_rc_core::Manifest;
 use lmcache_rc_core::http::{AdminConfig, AdminToken, HttpAdmin, Reply, Routes};
-use lmcache_rc_core::protocol::{
-    Capabilities, Checkpoints, ClearReport, GenerationInfo, ServiceStatus,
-};
-use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus};
+use lmcache_rc_core::protocol::{Checkpoints, ServiceStatus};
+use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
 use crate::service_common::*;
 
@@ -224,56 +221,16 @@ struct PanickingStatus {
     panicking: std::sync::atomic::AtomicBool,
 }
 
-impl Checkpoints for PanickingStatus {
-    fn capabilities(&self) -> lmcache_rc_core::Result<Capabilities> {
-        Checkpoints::capabilities(&*self.inner)
-    }
-    fn find(&self, roots: &[lmcache_rc_core::Prefix]) -> lmcache_rc_core::Result<Option<Manifest>> {
-        self.inner.find(roots)
-    }
-    fn begin(&self, manifest: &Manifest) -> lmcache_rc_core::Result<bool> {
-        self.inner.begin(manifest)
-    }
-    fn abort(&self, generation: &str) -> lmcache_rc_core::Result<()> {
-        self.inner.abort(generation)
-    }
-    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
-        self.inner.prepare_store(manifest, rank)
-    }
-    fn finish_store(
-        &self,
-        lease_id: &str,
-        success: bool,
-        rank: Option<u32>,
-    ) -> lmcache_rc_core::Result<bool> {
-        self.inner.finish_store(lease_id, success, rank)
-    }
-    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
-        self.inner.begin_retrieve(manifest, rank)
-    }
-    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<Lease> {
-        self.inner.poll_retrieve(lease_id, rank)
-    }
-    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
-        self.inner.finish_retrieve(lease_id, rank)
-    }
-    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
-        self.inner.cancel_retrieve(lease_id, rank)
+impl lmcache_rc_core::protocol::Decorator for PanickingStatus {
+    type Inner = CheckpointService;
+    fn inner(&self) -> &CheckpointService {
+        &self.inner
     }
     fn status(&self) -> lmcache_rc_core::Result<ServiceStatus> {
         if self.panicking.load(std::sync::atomic::Ordering::SeqCst) {
             panic!("injected: status panics");
         }
         self.inner.status()
-    }
-    fn clear(&self, force: bool, all_tiers: bool) -> lmcache_rc_core::Result<ClearReport> {
-        self.inner.clear(force, all_tiers)
-    }
-    fn list_generations(&self) -> lmcache_rc_core::Result<Vec<GenerationInfo>> {
-        self.inner.list_generations()
-    }
-    fn invalidate_namespace(&self, namespace: &str) -> lmcache_rc_core::Result<u64> {
-        self.inner.invalidate_namespace(namespace)
     }
 }
 

@@ -19,6 +19,7 @@ mod index_recency;
 mod index_reference;
 mod index_support;
 mod rpc_common;
+mod rpc_golden;
 mod rpc_restart;
 mod rpc_server;
 mod rpc_stress;

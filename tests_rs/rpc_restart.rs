@@ -27,7 +27,7 @@ fn crash_after_one_request(listener: UnixListener) -> std::thread::JoinHandle<()
         let request = read_payload(&mut s).unwrap();
         let (id, body) = wire::split_id(&request).unwrap();
         assert_eq!(id, 1);
-        assert_eq!(wire::decode_request(body).unwrap(), Request::Status);
+        assert_eq!(wire::decode_request(body).unwrap(), Request::Status {});
         drop(s);
         drop(listener);
     })

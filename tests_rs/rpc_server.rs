@@ -246,7 +246,7 @@ fn malformed_input_gets_typed_errors_while_a_healthy_client_is_served() {
         assert_eq!(rid, id);
         assert_eq!(err_kind(&reply), "Protocol", "{bad:?}: {reply:?}");
     }
-    let (rid, reply) = roundtrip(&mut s, 16, &body(&Request::Capabilities));
+    let (rid, reply) = roundtrip(&mut s, 16, &body(&Request::Capabilities {}));
     assert_eq!(rid, 16);
     assert!(
         matches!(reply, Reply::Ok(Value::Capabilities(_))),
@@ -302,7 +302,7 @@ fn malformed_input_gets_typed_errors_while_a_healthy_client_is_served() {
     assert_eq!((id, err_kind(&reply)), (0, "Protocol"));
     assert_closed(&mut s3);
     let mut s4 = raw_connect(&rig.socket);
-    s4.write_all(&raw_request(0, &body(&Request::Status)))
+    s4.write_all(&raw_request(0, &body(&Request::Status {})))
         .unwrap();
     let (id, reply) = read_reply(&mut s4).unwrap();
     assert_eq!((id, err_kind(&reply)), (0, "Protocol"));
@@ -336,7 +336,7 @@ fn malformed_input_gets_typed_errors_while_a_healthy_client_is_served() {
     assert!(healthy.finish() >= 15);
     // Nothing stored was lost, the original connection still works, and
     // the errors were counted.
-    let (_, reply) = roundtrip(&mut s, 20, &body(&Request::Capabilities));
+    let (_, reply) = roundtrip(&mut s, 20, &body(&Request::Capabilities {}));
     assert!(matches!(reply, Reply::Ok(_)));
     for rank in 0..4 {
         restore_rank(&c, &pool, &m, rank).unwrap();
@@ -530,7 +530,7 @@ fn a_client_that_stops_reading_loses_only_its_own_connection() {
     // this connection block, time out, and close it.
     let mut s = raw_connect(&rig.socket);
     s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
-    let request = raw_request(1, &body(&Request::Status));
+    let request = raw_request(1, &body(&Request::Status {}));
     let flood = std::thread::spawn(move || {
         for _ in 0..200_000 {
             if s.write_all(&request).is_err() {
@@ -641,7 +641,7 @@ fn a_stalled_frame_closes_its_connection_after_the_frame_timeout() {
     assert_eq!(status.values["rpc_buffered_bytes"], 0);
     // The idle connection waited longer than the timeout and still works.
     std::thread::sleep(Duration::from_millis(500));
-    let (_, reply) = roundtrip(&mut idle, 7, &body(&Request::Status));
+    let (_, reply) = roundtrip(&mut idle, 7, &body(&Request::Status {}));
     assert!(matches!(reply, Reply::Ok(_)), "{reply:?}");
 }
 

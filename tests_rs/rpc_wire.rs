@@ -5,9 +5,11 @@
 use std::io::Cursor;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::protocol::{
+    Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, MissReason, ServiceStatus,
+};
 use lmcache_rc_core::rpc::wire::{
-    self, FrameError, Reply, Request, Value, WireCapabilities, WireClear, WireError,
-    WireGeneration, WireLease, WireLeaseStatus, WireManifest, WirePrefix, WireStatus,
+    self, FrameError, Reply, Request, Value, WireError, WireManifest, WirePrefix,
 };
 use proptest::prelude::*;
 
@@ -49,7 +51,7 @@ fn lease_id() -> impl Strategy<Value = String> {
 
 fn request() -> impl Strategy<Value = Request> {
     prop_oneof![
-        Just(Request::Capabilities),
+        Just(Request::Capabilities {}),
         proptest::collection::vec(prefix(), 0..4).prop_map(|roots| Request::Find { roots }),
         manifest().prop_map(|manifest| Request::Begin { manifest }),
         "\\PC{0,40}".prop_map(|generation| Request::Abort { generation }),
@@ -70,31 +72,31 @@ fn request() -> impl Strategy<Value = Request> {
             .prop_map(|(lease_id, rank)| Request::FinishRetrieve { lease_id, rank }),
         (lease_id(), any::<Option<u32>>())
             .prop_map(|(lease_id, rank)| Request::CancelRetrieve { lease_id, rank }),
-        Just(Request::Status),
+        Just(Request::Status {}),
         (any::<bool>(), any::<bool>())
             .prop_map(|(force, all_tiers)| Request::Clear { force, all_tiers }),
-        Just(Request::ListGenerations),
+        Just(Request::ListGenerations {}),
         "\\PC{0,40}".prop_map(|namespace| Request::InvalidateNamespace { namespace }),
     ]
 }
 
-fn lease() -> impl Strategy<Value = WireLease> {
+fn lease() -> impl Strategy<Value = Lease> {
     (
         prop_oneof![
-            Just(WireLeaseStatus::Ready),
-            Just(WireLeaseStatus::Busy),
-            Just(WireLeaseStatus::Miss),
-            Just(WireLeaseStatus::Pending),
+            Just(LeaseStatus::Ready),
+            Just(LeaseStatus::Busy),
+            Just(LeaseStatus::Miss),
+            Just(LeaseStatus::Pending),
         ],
         proptest::option::of(lease_id()),
         proptest::collection::vec(
             proptest::collection::vec(any::<Option<(u64, u64)>>(), 0..5),
             0..4,
         ),
-        proptest::option::of("[a-z_]{1,20}"),
+        proptest::option::of(proptest::sample::select(MissReason::ALL)),
         proptest::option::of("[0-9a-f]{32}"),
     )
-        .prop_map(|(status, lease_id, slots, reason, pool_id)| WireLease {
+        .prop_map(|(status, lease_id, slots, reason, pool_id)| Lease {
             status,
             lease_id,
             slots,
@@ -103,8 +105,8 @@ fn lease() -> impl Strategy<Value = WireLease> {
         })
 }
 
-fn counters() -> impl Strategy<Value = Vec<(String, u64)>> {
-    proptest::collection::vec(("[a-z_]{1,20}", any::<u64>()), 0..8)
+fn counters() -> impl Strategy<Value = std::collections::BTreeMap<String, u64>> {
+    proptest::collection::btree_map("[a-z_]{1,20}", any::<u64>(), 0..8)
 }
 
 fn value() -> impl Strategy<Value = Value> {
@@ -119,7 +121,7 @@ fn value() -> impl Strategy<Value = Value> {
             any::<bool>()
         )
             .prop_map(|(f, p, pool_id, pool_size, durable_index)| {
-                Value::Capabilities(WireCapabilities {
+                Value::Capabilities(Capabilities {
                     format_version: f,
                     protocol_version: p,
                     pool_id,
@@ -132,14 +134,18 @@ fn value() -> impl Strategy<Value = Value> {
         (
             counters(),
             counters(),
-            proptest::collection::vec(("[a-z_]{1,12}", proptest::option::of("[ -~]{0,24}")), 0..4)
+            proptest::collection::btree_map(
+                "[a-z_]{1,12}",
+                proptest::option::of("[ -~]{0,24}"),
+                0..4
+            )
         )
-            .prop_map(|(values, misses, info)| Value::Status(WireStatus {
+            .prop_map(|(values, misses, info)| Value::Status(ServiceStatus {
                 values,
                 misses,
                 info
             })),
-        any::<[u64; 5]>().prop_map(|[a, b, c, d, e]| Value::Clear(WireClear {
+        any::<[u64; 5]>().prop_map(|[a, b, c, d, e]| Value::Clear(ClearReport {
             l1_objects: a,
             l1_bytes: b,
             l2_objects: c,
@@ -157,7 +163,7 @@ fn value() -> impl Strategy<Value = Value> {
             )
                 .prop_map(
                     |(generation, num_tokens, world_size, payload_bytes, durable, access_order)| {
-                        WireGeneration {
+                        GenerationInfo {
                             generation,
                             num_tokens,
                             world_size,
@@ -299,7 +305,7 @@ fn unknown_request_types_and_trailing_bytes_are_protocol_errors() {
 fn request_type_numbers_are_pinned() {
     // The variant index is the request type on the wire: append only.
     let expected: [(Request, u8); 14] = [
-        (Request::Capabilities, 0),
+        (Request::Capabilities {}, 0),
         (Request::Find { roots: vec![] }, 1),
         (
             Request::Abort {
@@ -336,7 +342,7 @@ fn request_type_numbers_are_pinned() {
             },
             9,
         ),
-        (Request::Status, 10),
+        (Request::Status {}, 10),
         (
             Request::Clear {
                 force: true,
@@ -344,15 +350,15 @@ fn request_type_numbers_are_pinned() {
             },
             11,
         ),
-        (Request::ListGenerations, 12),
+        (Request::ListGenerations {}, 12),
         (
             Request::InvalidateNamespace {
                 namespace: String::new(),
             },
             13,
         ),
-        (Request::Capabilities, 0),
-        (Request::Status, 10),
+        (Request::Capabilities {}, 0),
+        (Request::Status {}, 10),
         (Request::Find { roots: vec![] }, 1),
     ];
     for (req, tag) in expected {

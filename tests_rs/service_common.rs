@@ -11,7 +11,6 @@
 use std::time::Duration;
 
 use lmcache_rc_core::protocol::Checkpoints;
-use lmcache_rc_core::protocol::{Capabilities, ClearReport, GenerationInfo, ServiceStatus};
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::shm::ShmPool;
@@ -140,53 +139,10 @@ impl Target for Remote {
 }
 
 /// Every operation goes over the socket.
-impl Checkpoints for Remote {
-    fn capabilities(&self) -> lmcache_rc_core::Result<Capabilities> {
-        Checkpoints::capabilities(&self.client)
-    }
-    fn find(&self, roots: &[lmcache_rc_core::Prefix]) -> lmcache_rc_core::Result<Option<Manifest>> {
-        self.client.find(roots)
-    }
-    fn begin(&self, manifest: &Manifest) -> lmcache_rc_core::Result<bool> {
-        self.client.begin(manifest)
-    }
-    fn abort(&self, generation: &str) -> lmcache_rc_core::Result<()> {
-        self.client.abort(generation)
-    }
-    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
-        self.client.prepare_store(manifest, rank)
-    }
-    fn finish_store(
-        &self,
-        lease_id: &str,
-        success: bool,
-        rank: Option<u32>,
-    ) -> lmcache_rc_core::Result<bool> {
-        self.client.finish_store(lease_id, success, rank)
-    }
-    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> lmcache_rc_core::Result<Lease> {
-        self.client.begin_retrieve(manifest, rank)
-    }
-    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<Lease> {
-        self.client.poll_retrieve(lease_id, rank)
-    }
-    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
-        self.client.finish_retrieve(lease_id, rank)
-    }
-    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> lmcache_rc_core::Result<()> {
-        self.client.cancel_retrieve(lease_id, rank)
-    }
-    fn status(&self) -> lmcache_rc_core::Result<ServiceStatus> {
-        self.client.status()
-    }
-    fn clear(&self, force: bool, all_tiers: bool) -> lmcache_rc_core::Result<ClearReport> {
-        self.client.clear(force, all_tiers)
-    }
-    fn list_generations(&self) -> lmcache_rc_core::Result<Vec<GenerationInfo>> {
-        self.client.list_generations()
-    }
-    fn invalidate_namespace(&self, namespace: &str) -> lmcache_rc_core::Result<u64> {
-        self.client.invalidate_namespace(namespace)
+impl lmcache_rc_core::protocol::Decorator for Remote {
+    type Inner = Client;
+    fn inner(&self) -> &Client {
+        &self.client
     }
 }
 

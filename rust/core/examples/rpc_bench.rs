@@ -192,17 +192,13 @@ fn main() {
     let client = Client::connect(server.socket_path()).expect("client");
     let max = wire::DEFAULT_MAX_FRAME;
 
-    let caps_req = wire::encode_request(1, &Request::Capabilities, max).expect("encode");
-    let caps_rep = wire::encode_reply(
-        1,
-        &Reply::Ok(Value::Capabilities(svc.capabilities().into())),
-        max,
-    )
-    .expect("encode");
-    let status_req = wire::encode_request(1, &Request::Status, max).expect("encode");
+    let caps_req = wire::encode_request(1, &Request::Capabilities {}, max).expect("encode");
+    let caps_rep = wire::encode_reply(1, &Reply::Ok(Value::Capabilities(svc.capabilities())), max)
+        .expect("encode");
+    let status_req = wire::encode_request(1, &Request::Status {}, max).expect("encode");
     let status_rep = wire::encode_reply(
         1,
-        &Reply::Ok(Value::Status(server.status().expect("status").into())),
+        &Reply::Ok(Value::Status(server.status().expect("status"))),
         max,
     )
     .expect("encode");

@@ -27,6 +27,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .set_prefix("lmcache_rc")
         .install();
     m.add("__version__", lmcache_rc_core::VERSION)?;
+    // Every operation of the protocol (both classes have each, plus its `_async` twin).
+    m.add(
+        "OPERATIONS",
+        pyo3::types::PyTuple::new(m.py(), lmcache_rc_core::protocol::OPERATIONS)?,
+    )?;
     m.add_function(wrap_pyfunction!(identity::checkpoint_namespace, m)?)?;
     m.add_function(wrap_pyfunction!(identity::checkpoint_generation, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_error_classes, m)?)?;

@@ -4,8 +4,9 @@
 //!
 //! Both classes wrap a [`Checkpoints`] implementation (the in-process
 //! service, the RPC client) and get their protocol methods from
-//! [`checkpoint_pymethods!`]; a method converts its arguments, calls the
-//! typed operation with the GIL released, and converts the result with
+//! [`checkpoint_pymethods!`], which generates them from the core's operation
+//! table; a method converts its arguments ([`PyArg`]), calls the typed
+//! operation with the GIL released, and converts the result with
 //! [`ToPython`]. Nothing here builds wire requests.
 
 use std::time::{Duration, Instant};
@@ -151,167 +152,107 @@ pub(crate) fn roots_of(roots: &Bound<'_, PyAny>) -> PyResult<Vec<Prefix>> {
         .collect()
 }
 
+/// How an argument of an operation arrives from Python: the parameter pyo3
+/// extracts, the value held for the call, and the core argument borrowed
+/// from it. Implemented for the function-pointer type `fn(T)` of each
+/// argument type `T` of the core's operation table (as the wire's
+/// `WireArg` is), so the generated methods can name `<fn(&[Prefix]) as
+/// PyArg>::Param<'py>`.
+pub(crate) trait PyArg {
+    /// What the Python method takes (pyo3 extracts it: a wrong type raises
+    /// `TypeError` naming the argument).
+    type Param<'py>;
+    /// What the call holds while the GIL is released.
+    type Held<'py>;
+    /// The core argument.
+    type Arg<'a>;
+    /// Converts the parameter (raises what the conversion raises).
+    fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>>;
+    /// The core argument borrowed from the held value.
+    fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a>;
+}
+
+/// Arguments Python passes as they are.
+macro_rules! plain_py_arg {
+    ($($t:ty),*) => {$(
+        impl PyArg for fn($t) {
+            type Param<'py> = $t;
+            type Held<'py> = $t;
+            type Arg<'a> = $t;
+            fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
+                Ok(param)
+            }
+            fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
+                *held
+            }
+        }
+    )*};
+}
+plain_py_arg!(bool, u32, Option<u32>);
+
+impl PyArg for fn(&str) {
+    type Param<'py> = String;
+    type Held<'py> = String;
+    type Arg<'a> = &'a str;
+    fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
+        Ok(param)
+    }
+    fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
+        held
+    }
+}
+
+impl PyArg for fn(&Manifest) {
+    type Param<'py> = PyRef<'py, PyManifest>;
+    type Held<'py> = PyRef<'py, PyManifest>;
+    type Arg<'a> = &'a Manifest;
+    fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
+        Ok(param)
+    }
+    fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
+        &held.inner
+    }
+}
+
+/// The roots: any iterable of `Prefix` objects.
+impl PyArg for fn(&[Prefix]) {
+    type Param<'py> = Bound<'py, PyAny>;
+    type Held<'py> = Vec<Prefix>;
+    type Arg<'a> = &'a [Prefix];
+    fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
+        roots_of(&param)
+    }
+    fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
+        held
+    }
+}
+
 /// Defines the protocol methods of a Python class wrapping a
 /// `Checkpoints + CheckpointsAsync` implementation returned by `self.$api()`
 /// (a `PyResult`: it raises `ForkedProcess` in a forked child), followed by
 /// the class's own methods (one `#[pymethods]` block per class). Callers
 /// import `Checkpoints` and `CheckpointsAsync`.
 ///
-/// Operations are listed by the shape of their arguments; each line gives
-/// the blocking method and its `*_async` twin.
+/// Every operation of the core's table (`lmcache_rc_core::for_each_operation!`)
+/// gets a blocking method and its `*_async` twin, with the table's Python
+/// signature; the arguments are converted by [`PyArg`], the GIL is released
+/// around the call, the result is converted by [`ToPython`]. Operations the
+/// table marks `py by_hand` are written out here (`clear`).
 macro_rules! checkpoint_pymethods {
-    ($class:ty, $api:ident, { $($own:tt)* }) => {
-        $crate::protocol::checkpoint_pymethods!(@methods $class, $api,
-            no_args: [
-                /// format_version, protocol_version, pool_id, pool_size, durable_index.
-                capabilities / capabilities_async;
-                /// Counters and gauges (over RPC: plus the RPC layer's); every
-                /// value an integer, `misses` a map reason -> count.
-                status / status_async;
-                /// Every listed generation: generation, num_tokens, world_size,
-                /// payload_bytes, durable, access_order.
-                list_generations / list_generations_async;
-            ],
-            manifest_rank: [
-                /// Leases slots for one rank's pages: status ready | busy | miss.
-                prepare_store / prepare_store_async;
-                /// Starts a retrieve: status pending | miss.
-                begin_retrieve / begin_retrieve_async;
-            ],
-            lease_rank: [
-                /// Polls a retrieve: pending | ready | miss. With `rank`, a
-                /// lease another rank obtained is refused.
-                poll_retrieve / poll_retrieve_async;
-                /// Ends an exposed retrieve lease after the copy drained.
-                finish_retrieve / finish_retrieve_async;
-                /// Cancels a retrieve that exposed nothing; never invalidates.
-                cancel_retrieve / cancel_retrieve_async;
-            ],
-            own: { $($own)* }
-        );
+    // The operation table, handed back by the core's macro.
+    ([@table $class:ty, $api:ident, { $($own:tt)* }] $({
+        $(#[$doc:meta])*
+        $tag:literal $variant:ident
+        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty; py $py:tt
+    })*) => {
+        $crate::protocol::checkpoint_pymethods!(@munch [$class, $api] { $($own)* } []
+            $([$py ($(#[$doc])*) $name $name_async ($($arg : $ty),*)])*);
     };
-    (@methods $class:ty, $api:ident,
-        no_args: [$( $(#[$d0:meta])* $n0:ident / $a0:ident; )*],
-        manifest_rank: [$( $(#[$d1:meta])* $n1:ident / $a1:ident; )*],
-        lease_rank: [$( $(#[$d2:meta])* $n2:ident / $a2:ident; )*],
-        own: { $($own:tt)* }
-    ) => {
+    // All operations done: the class's one `#[pymethods]` block.
+    (@munch [$class:ty, $api:ident] { $($own:tt)* } [$($methods:tt)*]) => {
         #[pymethods]
         impl $class {
-            $(
-                $(#[$d0])*
-                fn $n0(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-                    let api = self.$api()?;
-                    $crate::protocol::call(py, || Checkpoints::$n0(api))
-                }
-                #[doc = concat!("`", stringify!($n0), "` without waiting.")]
-                fn $a0(&self, py: Python<'_>) -> PyResult<$crate::protocol::PyFuture> {
-                    let api = self.$api()?;
-                    Ok($crate::protocol::start(py, || CheckpointsAsync::$a0(api)))
-                }
-            )*
-            $(
-                $(#[$d1])*
-                fn $n1(&self, py: Python<'_>, manifest: &PyManifest, rank: u32) -> PyResult<Py<PyAny>> {
-                    let api = self.$api()?;
-                    $crate::protocol::call(py, || api.$n1(&manifest.inner, rank))
-                }
-                #[doc = concat!("`", stringify!($n1), "` without waiting.")]
-                fn $a1(
-                    &self,
-                    py: Python<'_>,
-                    manifest: &PyManifest,
-                    rank: u32,
-                ) -> PyResult<$crate::protocol::PyFuture> {
-                    let api = self.$api()?;
-                    Ok($crate::protocol::start(py, || api.$a1(&manifest.inner, rank)))
-                }
-            )*
-            $(
-                $(#[$d2])*
-                #[pyo3(signature = (lease_id, *, rank = None))]
-                fn $n2(&self, py: Python<'_>, lease_id: &str, rank: Option<u32>) -> PyResult<Py<PyAny>> {
-                    let api = self.$api()?;
-                    $crate::protocol::call(py, || api.$n2(lease_id, rank))
-                }
-                #[doc = concat!("`", stringify!($n2), "` without waiting.")]
-                #[pyo3(signature = (lease_id, *, rank = None))]
-                fn $a2(
-                    &self,
-                    py: Python<'_>,
-                    lease_id: &str,
-                    rank: Option<u32>,
-                ) -> PyResult<$crate::protocol::PyFuture> {
-                    let api = self.$api()?;
-                    Ok($crate::protocol::start(py, || api.$a2(lease_id, rank)))
-                }
-            )*
-
-            /// The longest listed generation matching the roots (a candidate).
-            fn find(&self, py: Python<'_>, roots: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-                let roots = $crate::protocol::roots_of(roots)?;
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.find(&roots))
-            }
-            /// `find` without waiting.
-            fn find_async(
-                &self,
-                py: Python<'_>,
-                roots: &Bound<'_, PyAny>,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let roots = $crate::protocol::roots_of(roots)?;
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.find_async(&roots)))
-            }
-
-            /// Stages a generation; False = duplicate, no pending capacity,
-            /// or the server is shutting down.
-            fn begin(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.begin(&manifest.inner))
-            }
-            /// `begin` without waiting.
-            fn begin_async(&self, py: Python<'_>, manifest: &PyManifest) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.begin_async(&manifest.inner)))
-            }
-
-            /// Aborts a pending generation.
-            fn abort(&self, py: Python<'_>, generation: &str) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.abort(generation))
-            }
-            /// `abort` without waiting.
-            fn abort_async(&self, py: Python<'_>, generation: &str) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.abort_async(generation)))
-            }
-
-            /// Ends a store lease; True only for the call that published.
-            /// With `rank`, a lease another rank obtained is refused.
-            #[pyo3(signature = (lease_id, success, *, rank = None))]
-            fn finish_store(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                success: bool,
-                rank: Option<u32>,
-            ) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.finish_store(lease_id, success, rank))
-            }
-            /// `finish_store` without waiting.
-            #[pyo3(signature = (lease_id, success, *, rank = None))]
-            fn finish_store_async(
-                &self,
-                py: Python<'_>,
-                lease_id: &str,
-                success: bool,
-                rank: Option<u32>,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.finish_store_async(lease_id, success, rank)))
-            }
+            $($methods)*
 
             /// Drops L1 copies (and L2 files with all_tiers). `force`
             /// omitted (None) means forced, the reference's default
@@ -326,7 +267,7 @@ macro_rules! checkpoint_pymethods {
             ) -> PyResult<Py<PyAny>> {
                 let api = self.$api()?;
                 let force = lmcache_rc_core::protocol::clear_force(force);
-                $crate::protocol::call(py, || api.clear(force, all_tiers))
+                $crate::protocol::call(py, || Checkpoints::clear(api, force, all_tiers))
             }
             /// `clear` without waiting.
             #[pyo3(signature = (force = None, all_tiers = false))]
@@ -338,29 +279,53 @@ macro_rules! checkpoint_pymethods {
             ) -> PyResult<$crate::protocol::PyFuture> {
                 let api = self.$api()?;
                 let force = lmcache_rc_core::protocol::clear_force(force);
-                Ok($crate::protocol::start(py, || api.clear_async(force, all_tiers)))
-            }
-
-            /// Retires every listed generation of one namespace and
-            /// returns how many (other namespaces are untouched; pending
-            /// generations too). Their pages leave RAM and disk once no
-            /// lease holds them.
-            fn invalidate_namespace(&self, py: Python<'_>, namespace: &str) -> PyResult<Py<PyAny>> {
-                let api = self.$api()?;
-                $crate::protocol::call(py, || api.invalidate_namespace(namespace))
-            }
-            /// `invalidate_namespace` without waiting.
-            fn invalidate_namespace_async(
-                &self,
-                py: Python<'_>,
-                namespace: &str,
-            ) -> PyResult<$crate::protocol::PyFuture> {
-                let api = self.$api()?;
-                Ok($crate::protocol::start(py, || api.invalidate_namespace_async(namespace)))
+                Ok($crate::protocol::start(py, || CheckpointsAsync::clear_async(api, force, all_tiers)))
             }
 
             $($own)*
         }
+    };
+    // An operation whose methods are written out above.
+    (@munch $class:tt $own:tt [$($methods:tt)*] [by_hand $($skip:tt)*] $($rest:tt)*) => {
+        $crate::protocol::checkpoint_pymethods!(@munch $class $own [$($methods)*] $($rest)*);
+    };
+    // An operation with a Python signature: its two methods.
+    (@munch [$class:ty, $api:ident] $own:tt [$($methods:tt)*]
+        [($($sig:tt)*) ($(#[$doc:meta])*) $name:ident $name_async:ident ($($arg:ident : $ty:ty),*)]
+        $($rest:tt)*
+    ) => {
+        $crate::protocol::checkpoint_pymethods!(@munch [$class, $api] $own [
+            $($methods)*
+
+            $(#[$doc])*
+            #[pyo3(signature = ($($sig)*))]
+            fn $name<'py>(
+                &self,
+                py: Python<'py>,
+                $($arg: <fn($ty) as $crate::protocol::PyArg>::Param<'py>),*
+            ) -> PyResult<Py<PyAny>> {
+                $(let $arg = <fn($ty) as $crate::protocol::PyArg>::hold($arg)?;)*
+                $(let $arg = <fn($ty) as $crate::protocol::PyArg>::arg(&$arg);)*
+                let api = self.$api()?;
+                $crate::protocol::call(py, || Checkpoints::$name(api, $($arg),*))
+            }
+            #[doc = concat!("`", stringify!($name), "` without waiting.")]
+            #[pyo3(signature = ($($sig)*))]
+            fn $name_async<'py>(
+                &self,
+                py: Python<'py>,
+                $($arg: <fn($ty) as $crate::protocol::PyArg>::Param<'py>),*
+            ) -> PyResult<$crate::protocol::PyFuture> {
+                $(let $arg = <fn($ty) as $crate::protocol::PyArg>::hold($arg)?;)*
+                $(let $arg = <fn($ty) as $crate::protocol::PyArg>::arg(&$arg);)*
+                let api = self.$api()?;
+                Ok($crate::protocol::start(py, || CheckpointsAsync::$name_async(api, $($arg),*)))
+            }
+        ] $($rest)*);
+    };
+    // The entry point: `checkpoint_pymethods!(Class, api, { own methods })`.
+    ($class:ty, $api:ident, { $($own:tt)* }) => {
+        lmcache_rc_core::for_each_operation!(checkpoint_pymethods, @table $class, $api, { $($own)* });
     };
 }
 pub(crate) use checkpoint_pymethods;

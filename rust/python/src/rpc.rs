@@ -20,7 +20,6 @@ use std::ffi::c_int;
 use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid};
 use crate::fork::Owned;
-use crate::identity::PyManifest;
 use crate::protocol::{PyLease, ToPython, checkpoint_pymethods};
 use crate::service::fill_byte_buffer;
 

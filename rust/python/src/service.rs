@@ -16,7 +16,6 @@ use pyo3::types::PyList;
 use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid};
 use crate::fork::Owned;
-use crate::identity::PyManifest;
 pub(crate) use crate::protocol::capabilities_dict;
 use crate::protocol::{PyLease, checkpoint_pymethods};
 

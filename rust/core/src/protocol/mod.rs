@@ -13,6 +13,9 @@
 //!   [`Pending`] future. Its default methods answer at once from the
 //!   blocking call (what an in-process service does); the RPC client
 //!   overrides them with pipelined requests.
+//! - [`Decorator`] wraps an implementation and overrides only what it
+//!   changes; everything else is forwarded (the RPC server's views of the
+//!   service, test doubles).
 //! - The values ([`Lease`], [`LeaseStatus`], [`Slot`], [`MissReason`],
 //!   [`Capabilities`], [`ServiceStatus`], [`ClearReport`],
 //!   [`GenerationInfo`]) and the versions ([`PROTOCOL_VERSION`],
@@ -22,11 +25,12 @@
 //! wants ownership checked: a lease obtained by another rank is then refused
 //! with `InvalidInput` (a rank never finishes another rank's copy).
 //!
-//! Adding an operation: declare it in the table below (both traits follow),
-//! implement it in the service, give it a wire request
-//! ([`crate::rpc::wire::Request`] and its `apply` arm) and a line in the
-//! client's table (`rpc/client.rs`), then expose it in the binding
-//! (`rust/python/src/protocol.rs`) and `lmcache_rc/_native.pyi`.
+//! Adding an operation: one line of [`for_each_operation!`] (its wire tag,
+//! request variant, signature and Python signature: the traits, the
+//! [`Decorator`], the wire request, the server's dispatch, the client and
+//! the binding's Python methods follow), its implementation in the service,
+//! and its stub line in `lmcache_rc/_native.pyi` (stubtest and
+//! `tests_py/test_operations.py` fail without it).
 //!
 //! This module never does I/O and knows no transport.
 
@@ -35,9 +39,8 @@ mod pool;
 mod types;
 
 use crate::error::Result;
-use crate::identity::Prefix;
-use crate::manifest::Manifest;
 
+pub use crate::for_each_operation;
 pub use pending::{Pending, Waitable};
 pub use pool::PoolSource;
 pub use types::{
@@ -64,13 +67,143 @@ pub fn clear_force(force: Option<bool>) -> bool {
     force.unwrap_or(CLEAR_FORCE_DEFAULT)
 }
 
-/// Declares the operation set once: the blocking trait, its async twin with
-/// a ready-answer default per operation, and the list of operation names.
-macro_rules! operations {
-    ($(
+/// The operation table: every operation once, with its wire tag and
+/// request variant, its Rust signature and its Python signature. Each
+/// consumer is a `macro_rules!` callback handed to this macro (the
+/// "x-macro" pattern), so one line here generates [`Checkpoints`],
+/// [`CheckpointsAsync`], [`Decorator`], [`OPERATIONS`], the wire
+/// [`Request`](crate::rpc::wire::Request) and the server's dispatch, the RPC
+/// client, and the binding's Python methods of `CheckpointService` and
+/// `Client`.
+///
+/// `for_each_operation!(callback)` or `for_each_operation!(callback, extra
+/// tokens)` expands to `callback! { [extra tokens] {op} {op} ... }`, each
+/// `{op}` being
+///
+/// ```text
+/// #[doc] ... TAG Variant fn name / name_async (arg: Type, ...) -> Output; py SIGNATURE
+/// ```
+///
+/// - `TAG`: the request's wire tag — append only, never renumbered (a new
+///   operation takes the next number; `tests_rs/rpc_golden.rs` pins them).
+/// - `Variant`: the name of its [`Request`](crate::rpc::wire::Request) variant.
+/// - argument types are converted on the wire by
+///   [`WireArg`](crate::rpc::wire::WireArg) and in Python by the binding's
+///   `PyArg`; the output by [`ReplyValue`](crate::rpc::wire::ReplyValue) and
+///   the binding's `ToPython` (a new argument or result type needs one impl
+///   of each).
+/// - `py (...)`: the Python signature (pyo3 syntax), or `py by_hand` when
+///   the binding writes the Python method itself (`clear`: its `force` may
+///   be omitted, which the Rust call never allows).
+#[macro_export]
+macro_rules! for_each_operation {
+    ($callback:ident $(, $($extra:tt)*)?) => {
+        $callback! {
+            [$($($extra)*)?]
+            {
+                /// Pool id and size, format and protocol versions, durability: what a
+                /// client needs to map the pool it received at the handshake.
+                0 Capabilities fn capabilities / capabilities_async ()
+                    -> $crate::protocol::Capabilities; py ()
+            }
+            {
+                /// The longest listed generation whose prefix is a whole-token prefix of
+                /// the query (all roots of one token sequence). A candidate only: every
+                /// rank must still retrieve it.
+                1 Find fn find / find_async (roots: &[$crate::identity::Prefix])
+                    -> Option<$crate::manifest::Manifest>; py (roots)
+            }
+            {
+                /// Stages a generation; false = an identical one is pending or listed,
+                /// no pending capacity, an aborted attempt still draining, or the server
+                /// is shutting down (retry later).
+                2 Begin fn begin / begin_async (manifest: &$crate::manifest::Manifest)
+                    -> bool; py (manifest)
+            }
+            {
+                /// Aborts a pending generation (no-op for unknown or listed ones).
+                3 Abort fn abort / abort_async (generation: &str) -> (); py (generation)
+            }
+            {
+                /// Leases slots for one rank's pages of a pending generation, all or
+                /// nothing: `ready` (a slot per new page, `None` per page already
+                /// resident), `busy` (another lease is writing a page: retry) or `miss`.
+                4 PrepareStore fn prepare_store / prepare_store_async
+                    (manifest: &$crate::manifest::Manifest, rank: u32)
+                    -> $crate::protocol::Lease; py (manifest, rank)
+            }
+            {
+                /// Ends a store lease after the copy drained. `success = true` commits
+                /// the rank and answers true only for the call that published;
+                /// `false` discards the pages and aborts the generation.
+                5 FinishStore fn finish_store / finish_store_async
+                    (lease_id: &str, success: bool, rank: Option<u32>)
+                    -> bool; py (lease_id, success, *, rank = None)
+            }
+            {
+                /// Starts restoring one rank of a listed generation: `pending` (poll
+                /// it) or `miss`; never raises for an unlisted or retired generation.
+                6 BeginRetrieve fn begin_retrieve / begin_retrieve_async
+                    (manifest: &$crate::manifest::Manifest, rank: u32)
+                    -> $crate::protocol::Lease; py (manifest, rank)
+            }
+            {
+                /// Polls a retrieve: `pending`, `ready` (every page of the rank,
+                /// read-locked until finished) or `miss` (the lease is gone).
+                7 PollRetrieve fn poll_retrieve / poll_retrieve_async
+                    (lease_id: &str, rank: Option<u32>)
+                    -> $crate::protocol::Lease; py (lease_id, *, rank = None)
+            }
+            {
+                /// Ends an exposed retrieve lease after the copy drained (unknown ids:
+                /// no-op).
+                8 FinishRetrieve fn finish_retrieve / finish_retrieve_async
+                    (lease_id: &str, rank: Option<u32>) -> (); py (lease_id, *, rank = None)
+            }
+            {
+                /// Cancels a retrieve that exposed nothing yet; never invalidates the
+                /// generation (unknown ids: no-op).
+                9 CancelRetrieve fn cancel_retrieve / cancel_retrieve_async
+                    (lease_id: &str, rank: Option<u32>) -> (); py (lease_id, *, rank = None)
+            }
+            {
+                /// Counters and gauges (over RPC: plus the RPC layer's).
+                10 Status fn status / status_async () -> $crate::protocol::ServiceStatus; py ()
+            }
+            {
+                /// Drops L1 copies (and with `all_tiers` L2 files). `force` is refused
+                /// with `LeasesLive` while any lease is live. Front ends that let callers
+                /// omit `force` resolve it with [`clear_force`](crate::protocol::clear_force)
+                /// (forced by default).
+                11 Clear fn clear / clear_async (force: bool, all_tiers: bool)
+                    -> $crate::protocol::ClearReport; py by_hand
+            }
+            {
+                /// Every listed generation, ordered by id (operators' `inspect`).
+                12 ListGenerations fn list_generations / list_generations_async ()
+                    -> Vec<$crate::protocol::GenerationInfo>; py ()
+            }
+            {
+                /// Retires every listed generation of one namespace (other namespaces
+                /// are untouched) and answers how many; their pages leave L1 and L2
+                /// once no lease holds them. Pending generations are not touched.
+                /// A namespace outside 1..256 characters is refused (`InvalidInput`).
+                13 InvalidateNamespace fn invalidate_namespace / invalidate_namespace_async
+                    (namespace: &str) -> u64; py (namespace)
+            }
+        }
+    };
+}
+
+/// Declares, from the table, the blocking trait, its async twin with a
+/// ready-answer default per operation, the forwarding [`Decorator`] and the
+/// list of operation names.
+macro_rules! declare_operations {
+    ([] $({
         $(#[$doc:meta])*
-        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty;
-    )*) => {
+        $tag:literal $variant:ident
+        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty; py $py:tt
+    })*) => {
         /// The checkpoint operation set (see the [module docs](self)).
         pub trait Checkpoints: Send + Sync {
             $(
@@ -92,56 +225,44 @@ macro_rules! operations {
             )*
         }
 
-        /// The name of every operation, in declaration order.
+        /// An implementation that wraps another one and changes only some
+        /// operations (the RPC server's per-connection view, its admin view,
+        /// test doubles): every operation it does not override goes to
+        /// [`Decorator::inner`]. Implementing it implements [`Checkpoints`].
+        pub trait Decorator: Send + Sync {
+            /// The wrapped implementation.
+            type Inner: Checkpoints + ?Sized;
+            /// Where the operations not overridden go.
+            fn inner(&self) -> &Self::Inner;
+            $(
+                #[doc = concat!("[`Checkpoints::", stringify!($name), "`]; forwarded unless overridden.")]
+                fn $name(&self, $($arg: $ty),*) -> Result<$out> {
+                    self.inner().$name($($arg),*)
+                }
+            )*
+        }
+
+        impl<D: Decorator> Checkpoints for D {
+            $(
+                fn $name(&self, $($arg: $ty),*) -> Result<$out> {
+                    Decorator::$name(self, $($arg),*)
+                }
+            )*
+        }
+
+        /// The name of every operation, in table (and wire tag) order.
         pub const OPERATIONS: &[&str] = &[$(stringify!($name)),*];
+
+        // The tags are the operations' positions: the table is append only.
+        const _: () = {
+            let tags: &[u32] = &[$($tag),*];
+            let mut i = 0;
+            while i < tags.len() {
+                assert!(tags[i] as usize == i, "wire tags must be 0, 1, 2, ... in table order");
+                i += 1;
+            }
+        };
     };
 }
 
-operations! {
-    /// Pool id and size, format and protocol versions, durability: what a
-    /// client needs to map the pool it received at the handshake.
-    fn capabilities / capabilities_async () -> Capabilities;
-    /// The longest listed generation whose prefix is a whole-token prefix of
-    /// the query (all roots of one token sequence). A candidate only: every
-    /// rank must still retrieve it.
-    fn find / find_async (roots: &[Prefix]) -> Option<Manifest>;
-    /// Stages a generation; false = an identical one is pending or listed,
-    /// no pending capacity, an aborted attempt still draining, or the server
-    /// is shutting down (retry later).
-    fn begin / begin_async (manifest: &Manifest) -> bool;
-    /// Aborts a pending generation (no-op for unknown or listed ones).
-    fn abort / abort_async (generation: &str) -> ();
-    /// Leases slots for one rank's pages of a pending generation, all or
-    /// nothing: `ready` (a slot per new page, `None` per page already
-    /// resident), `busy` (another lease is writing a page: retry) or `miss`.
-    fn prepare_store / prepare_store_async (manifest: &Manifest, rank: u32) -> Lease;
-    /// Ends a store lease after the copy drained. `success = true` commits
-    /// the rank and answers true only for the call that published;
-    /// `false` discards the pages and aborts the generation.
-    fn finish_store / finish_store_async (lease_id: &str, success: bool, rank: Option<u32>) -> bool;
-    /// Starts restoring one rank of a listed generation: `pending` (poll
-    /// it) or `miss`; never raises for an unlisted or retired generation.
-    fn begin_retrieve / begin_retrieve_async (manifest: &Manifest, rank: u32) -> Lease;
-    /// Polls a retrieve: `pending`, `ready` (every page of the rank,
-    /// read-locked until finished) or `miss` (the lease is gone).
-    fn poll_retrieve / poll_retrieve_async (lease_id: &str, rank: Option<u32>) -> Lease;
-    /// Ends an exposed retrieve lease after the copy drained (unknown ids:
-    /// no-op).
-    fn finish_retrieve / finish_retrieve_async (lease_id: &str, rank: Option<u32>) -> ();
-    /// Cancels a retrieve that exposed nothing yet; never invalidates the
-    /// generation (unknown ids: no-op).
-    fn cancel_retrieve / cancel_retrieve_async (lease_id: &str, rank: Option<u32>) -> ();
-    /// Counters and gauges (over RPC: plus the RPC layer's).
-    fn status / status_async () -> ServiceStatus;
-    /// Drops L1 copies (and with `all_tiers` L2 files). `force` is refused
-    /// with `LeasesLive` while any lease is live. Front ends that let callers
-    /// omit `force` resolve it with [`clear_force`] (forced by default).
-    fn clear / clear_async (force: bool, all_tiers: bool) -> ClearReport;
-    /// Every listed generation, ordered by id (operators' `inspect`).
-    fn list_generations / list_generations_async () -> Vec<GenerationInfo>;
-    /// Retires every listed generation of one namespace (other namespaces
-    /// are untouched) and answers how many; their pages leave L1 and L2
-    /// once no lease holds them. Pending generations are not touched.
-    /// A namespace outside 1..256 characters is refused (`InvalidInput`).
-    fn invalidate_namespace / invalidate_namespace_async (namespace: &str) -> u64;
-}
+for_each_operation!(declare_operations);

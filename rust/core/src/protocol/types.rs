@@ -1,9 +1,15 @@
 //! The values the operations of [`super::Checkpoints`] take and answer.
+//!
+//! Each result type is defined once, here: its serde derive is its wire
+//! form (postcard, field order = declaration order: never reorder, only a
+//! protocol version may; `tests_rs/rpc_golden.rs` pins the bytes).
 
 use std::collections::BTreeMap;
 
-/// What a lease call answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// What a lease call answered (on the wire: the variant index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LeaseStatus {
     /// Slots are exposed: copy, then finish the lease.
     Ready,
@@ -76,6 +82,21 @@ impl MissReason {
     }
 }
 
+/// On the wire a reason is its name, so that a newer peer's reason decodes
+/// (as [`MissReason::Other`]).
+impl Serialize for MissReason {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for MissReason {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = std::borrow::Cow::<'de, str>::deserialize(d)?;
+        Ok(MissReason::from_name(&name))
+    }
+}
+
 impl std::fmt::Display for MissReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -87,7 +108,7 @@ impl std::fmt::Display for MissReason {
 pub type Slot = Option<(u64, u64)>;
 
 /// The answer of prepare_store / begin_retrieve / poll_retrieve.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     /// See [`LeaseStatus`].
     pub status: LeaseStatus,
@@ -149,7 +170,7 @@ impl Lease {
 }
 
 /// What the service tells a client at connection time.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capabilities {
     /// Slot/layout format version ([`super::FORMAT_VERSION`]).
     pub format_version: u32,
@@ -167,7 +188,7 @@ pub struct Capabilities {
 /// Counters and gauges of the service; every value is an integer or a map of
 /// integers. Keys are names, not enums, because a status crosses the wire and
 /// a newer server may report values this build does not know.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceStatus {
     /// Integer gauges and counters by name.
     pub values: BTreeMap<String, u64>,
@@ -180,7 +201,7 @@ pub struct ServiceStatus {
 }
 
 /// What a clear removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClearReport {
     /// L1 objects dropped.
     pub l1_objects: u64,
@@ -195,7 +216,7 @@ pub struct ClearReport {
 }
 
 /// One published generation as an operator sees it (`lmcache-rc inspect`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenerationInfo {
     /// The generation id.
     pub generation: String,

@@ -30,15 +30,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::identity::Prefix;
-use crate::manifest::Manifest;
-use crate::protocol::{
-    Capabilities, Checkpoints, CheckpointsAsync, ClearReport, GenerationInfo, Lease, Pending,
-    ServiceStatus, Waitable,
-};
+use crate::protocol::{Capabilities, Checkpoints, CheckpointsAsync, Pending, Waitable};
 
 use super::wire::{
-    self, CONNECTION_ERROR_ID, FrameError, Reply, Request, Value, WireError, WirePrefix,
+    self, CONNECTION_ERROR_ID, FrameError, Reply, ReplyValue, Request, Value, WireArg, WireError,
 };
 
 /// Settings of a [`Client`].
@@ -304,9 +299,9 @@ impl Client {
         let mut last = None;
         for _ in 0..3 {
             let conn = self.connection()?;
-            let pending = self.call_async(Request::Capabilities);
+            let pending = self.call_async(Request::Capabilities {});
             let caps = match pending.wait(Some(self.config.timeout)) {
-                Ok(v) => v.into_capabilities()?,
+                Ok(v) => v.into_result::<Capabilities>()?,
                 Err(e) => {
                     pending.abandon();
                     return Err(e);
@@ -568,19 +563,24 @@ impl Client {
     }
 }
 
-/// Implements [`Checkpoints`] and [`CheckpointsAsync`] over the wire: one
-/// line per operation, its request and the conversion of its reply value.
-/// The blocking call waits up to the configured timeout; the `*_async` call
-/// pipelines and returns a [`Pending`] future.
-macro_rules! operations {
-    ($(
-        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty
-            = $request:expr, $convert:path;
-    )*) => {
+/// Implements [`Checkpoints`] and [`CheckpointsAsync`] over the wire from
+/// the [operation table](crate::for_each_operation): each call builds its
+/// request from its arguments ([`WireArg`]) and converts its reply value
+/// ([`ReplyValue`]). The blocking call waits up to the configured timeout;
+/// the `*_async` call pipelines and returns a [`Pending`] future.
+macro_rules! client_operations {
+    ([] $({
+        $(#[$doc:meta])*
+        $tag:literal $variant:ident
+        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty; py $py:tt
+    })*) => {
         impl Checkpoints for Client {
             $(
                 fn $name(&self, $($arg: $ty),*) -> Result<$out> {
-                    self.typed($request, $convert)
+                    self.typed(
+                        Request::$variant { $($arg: <fn($ty) as WireArg>::to_wire($arg)),* },
+                        <$out as ReplyValue>::from_value,
+                    )
                 }
             )*
         }
@@ -588,45 +588,17 @@ macro_rules! operations {
         impl CheckpointsAsync for Client {
             $(
                 fn $name_async(&self, $($arg: $ty),*) -> Pending<$out> {
-                    self.typed_async($request, $convert)
+                    self.typed_async(
+                        Request::$variant { $($arg: <fn($ty) as WireArg>::to_wire($arg)),* },
+                        <$out as ReplyValue>::from_value,
+                    )
                 }
             )*
         }
     };
 }
 
-operations! {
-    fn capabilities / capabilities_async () -> Capabilities
-        = Request::Capabilities, Value::into_capabilities;
-    fn find / find_async (roots: &[Prefix]) -> Option<Manifest>
-        = Request::Find { roots: roots.iter().map(WirePrefix::from).collect() },
-          Value::into_manifest;
-    fn begin / begin_async (manifest: &Manifest) -> bool
-        = Request::Begin { manifest: manifest.into() }, Value::into_bool;
-    fn abort / abort_async (generation: &str) -> ()
-        = Request::Abort { generation: generation.to_string() }, Value::into_unit;
-    fn prepare_store / prepare_store_async (manifest: &Manifest, rank: u32) -> Lease
-        = Request::PrepareStore { manifest: manifest.into(), rank }, Value::into_lease;
-    fn finish_store / finish_store_async (lease_id: &str, success: bool, rank: Option<u32>) -> bool
-        = Request::FinishStore { lease_id: lease_id.to_string(), success, rank },
-          Value::into_bool;
-    fn begin_retrieve / begin_retrieve_async (manifest: &Manifest, rank: u32) -> Lease
-        = Request::BeginRetrieve { manifest: manifest.into(), rank }, Value::into_lease;
-    fn poll_retrieve / poll_retrieve_async (lease_id: &str, rank: Option<u32>) -> Lease
-        = Request::PollRetrieve { lease_id: lease_id.to_string(), rank }, Value::into_lease;
-    fn finish_retrieve / finish_retrieve_async (lease_id: &str, rank: Option<u32>) -> ()
-        = Request::FinishRetrieve { lease_id: lease_id.to_string(), rank }, Value::into_unit;
-    fn cancel_retrieve / cancel_retrieve_async (lease_id: &str, rank: Option<u32>) -> ()
-        = Request::CancelRetrieve { lease_id: lease_id.to_string(), rank }, Value::into_unit;
-    fn status / status_async () -> ServiceStatus
-        = Request::Status, Value::into_status;
-    fn clear / clear_async (force: bool, all_tiers: bool) -> ClearReport
-        = Request::Clear { force, all_tiers }, Value::into_clear;
-    fn list_generations / list_generations_async () -> Vec<GenerationInfo>
-        = Request::ListGenerations, Value::into_generations;
-    fn invalidate_namespace / invalidate_namespace_async (namespace: &str) -> u64
-        = Request::InvalidateNamespace { namespace: namespace.to_string() }, Value::into_count;
-}
+crate::for_each_operation!(client_operations);
 
 impl Drop for Client {
     fn drop(&mut self) {

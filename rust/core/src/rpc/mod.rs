@@ -80,7 +80,8 @@
 //! connection-level error reply (an oversize or id-less frame, a request
 //! using id 0), after which the server closes the connection.
 //!
-//! [`wire::Request`] has one variant per service operation; its postcard
+//! [`wire::Request`] has one variant per service operation, generated from
+//! the operation table ([`crate::for_each_operation!`]); its postcard
 //! variant index is the request type: 0 CAPABILITIES, 1 FIND, 2 BEGIN,
 //! 3 ABORT, 4 PREPARE_STORE, 5 FINISH_STORE, 6 BEGIN_RETRIEVE,
 //! 7 POLL_RETRIEVE, 8 FINISH_RETRIEVE, 9 CANCEL_RETRIEVE, 10 STATUS,
@@ -92,7 +93,8 @@
 //! receipt.
 //!
 //! Every reply is [`wire::Reply`]: `Ok(Value)` (variant 0) with one
-//! [`wire::Value`] per operation, or `Err{kind, message}` (variant 1) where
+//! [`wire::Value`] per result type (the protocol's types, serialized by
+//! their serde derives), or `Err{kind, message}` (variant 1) where
 //! `kind` is an [`ErrorKind`](crate::ErrorKind) name such as `InvalidInput`,
 //! `NotFound`, `LeasesLive` or `Protocol`. A request that does not decode (an
 //! unknown request type, a wrong argument encoding, trailing bytes) gets

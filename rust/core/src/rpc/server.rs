@@ -16,7 +16,8 @@
 //!
 //! Requests are carried out through [`Request::apply`] on [`Served`], the
 //! service as the server exposes it: the same operations, except that
-//! admission stops at shutdown and status adds the RPC layer's counters.
+//! admission stops at shutdown and status adds the RPC layer's counters
+//! (a [`Decorator`] of the service overriding just those four operations).
 //!
 //! Leases belong to processes, not to connections. Each connection records
 //! its peer process ([`Peer`]: `SO_PEERCRED` pid, pinned by a pidfd or its
@@ -46,12 +47,9 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::peer::Peer;
-use crate::protocol::{
-    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, MissReason, ServiceStatus,
-};
+use crate::protocol::{Checkpoints, Decorator, Lease, MissReason, ServiceStatus};
 use crate::service::{CheckpointService, Holder, ServiceConfig};
 
 use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, Request};
@@ -1176,54 +1174,13 @@ struct AdminView {
     shared: Arc<Shared>,
 }
 
-impl AdminView {
-    fn svc(&self) -> &dyn Checkpoints {
-        &*self.shared.service
-    }
-}
-
-impl Checkpoints for AdminView {
-    fn capabilities(&self) -> Result<Capabilities> {
-        self.svc().capabilities()
-    }
-    fn find(&self, roots: &[Prefix]) -> Result<Option<Manifest>> {
-        self.svc().find(roots)
-    }
-    fn begin(&self, manifest: &Manifest) -> Result<bool> {
-        self.svc().begin(manifest)
-    }
-    fn abort(&self, generation: &str) -> Result<()> {
-        self.svc().abort(generation)
-    }
-    fn prepare_store(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
-        self.svc().prepare_store(manifest, rank)
-    }
-    fn finish_store(&self, lease_id: &str, success: bool, rank: Option<u32>) -> Result<bool> {
-        self.svc().finish_store(lease_id, success, rank)
-    }
-    fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
-        self.svc().begin_retrieve(manifest, rank)
-    }
-    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<Lease> {
-        self.svc().poll_retrieve(lease_id, rank)
-    }
-    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
-        self.svc().finish_retrieve(lease_id, rank)
-    }
-    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
-        self.svc().cancel_retrieve(lease_id, rank)
+impl Decorator for AdminView {
+    type Inner = CheckpointService;
+    fn inner(&self) -> &CheckpointService {
+        &self.shared.service
     }
     fn status(&self) -> Result<ServiceStatus> {
         status_of(&self.shared)
-    }
-    fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
-        self.svc().clear(force, all_tiers)
-    }
-    fn invalidate_namespace(&self, namespace: &str) -> Result<u64> {
-        self.svc().invalidate_namespace(namespace)
-    }
-    fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
-        self.svc().list_generations()
     }
 }
 
@@ -1241,63 +1198,32 @@ impl Served<'_> {
     fn admitting(&self) -> bool {
         self.shared.admitting.load(Ordering::SeqCst)
     }
-    fn service(&self) -> &CheckpointService {
-        &self.shared.service
-    }
 }
 
-impl Checkpoints for Served<'_> {
-    fn capabilities(&self) -> Result<Capabilities> {
-        Ok(self.service().capabilities())
-    }
-    fn find(&self, roots: &[Prefix]) -> Result<Option<Manifest>> {
-        self.service().find(roots)
+impl Decorator for Served<'_> {
+    type Inner = CheckpointService;
+    fn inner(&self) -> &CheckpointService {
+        &self.shared.service
     }
     fn begin(&self, manifest: &Manifest) -> Result<bool> {
         if !self.admitting() {
             return Ok(false);
         }
-        self.service().begin(manifest)
-    }
-    fn abort(&self, generation: &str) -> Result<()> {
-        self.service().abort(generation)
+        self.inner().begin(manifest)
     }
     fn prepare_store(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
         if !self.admitting() {
             return Ok(Lease::miss(MissReason::Shutdown));
         }
-        self.service()
-            .prepare_store_for(self.holder, manifest, rank)
-    }
-    fn finish_store(&self, lease_id: &str, success: bool, rank: Option<u32>) -> Result<bool> {
-        self.service().finish_store(lease_id, success, rank)
+        self.inner().prepare_store_for(self.holder, manifest, rank)
     }
     fn begin_retrieve(&self, manifest: &Manifest, rank: u32) -> Result<Lease> {
         if !self.admitting() {
             return Ok(Lease::miss(MissReason::Shutdown));
         }
-        self.service()
-            .begin_retrieve_for(self.holder, manifest, rank)
-    }
-    fn poll_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<Lease> {
-        self.service().poll_retrieve(lease_id, rank)
-    }
-    fn finish_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
-        self.service().finish_retrieve(lease_id, rank)
-    }
-    fn cancel_retrieve(&self, lease_id: &str, rank: Option<u32>) -> Result<()> {
-        self.service().cancel_retrieve(lease_id, rank)
+        self.inner().begin_retrieve_for(self.holder, manifest, rank)
     }
     fn status(&self) -> Result<ServiceStatus> {
         status_of(self.shared)
-    }
-    fn clear(&self, force: bool, all_tiers: bool) -> Result<ClearReport> {
-        self.service().clear(force, all_tiers)
-    }
-    fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
-        self.service().list_generations()
-    }
-    fn invalidate_namespace(&self, namespace: &str) -> Result<u64> {
-        self.service().invalidate_namespace(namespace)
     }
 }

@@ -19,8 +19,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::protocol::{
-    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, LeaseStatus, MissReason,
-    ServiceStatus,
+    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, ServiceStatus,
 };
 
 /// First bytes of both handshake frames.
@@ -114,343 +113,217 @@ impl TryFrom<WireManifest> for Manifest {
     }
 }
 
-/// One request per service operation. The variant index is the request type
-/// on the wire: **append only**, never reorder (a change is a new protocol
-/// version). `rank`, where present, is optional: when given, the server
-/// refuses (InvalidInput) a lease call for a lease another rank obtained.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Request {
-    /// 0 — pool id and size, versions, durability. Reply: `Capabilities`.
-    Capabilities,
-    /// 1 — the longest listed generation matching the roots. Reply: `Manifest`.
-    Find {
-        /// All roots of the request's token sequence.
-        roots: Vec<WirePrefix>,
-    },
-    /// 2 — stages a generation. Reply: `Bool`.
-    Begin {
-        /// The generation to stage.
-        manifest: WireManifest,
-    },
-    /// 3 — aborts a pending generation. Reply: `Unit`.
-    Abort {
-        /// The generation id.
-        generation: String,
-    },
-    /// 4 — leases slots for one rank's pages. Reply: `Lease`.
-    PrepareStore {
-        /// The pending generation.
-        manifest: WireManifest,
-        /// The storing rank.
-        rank: u32,
-    },
-    /// 5 — ends a store lease. Reply: `Bool` (true only for the publishing call).
-    FinishStore {
-        /// The lease.
-        lease_id: String,
-        /// Whether the copy succeeded (and drained).
-        success: bool,
-        /// The caller's rank, if it wants it checked.
-        rank: Option<u32>,
-    },
-    /// 6 — starts restoring one rank. Reply: `Lease`.
-    BeginRetrieve {
-        /// The listed generation.
-        manifest: WireManifest,
-        /// The restoring rank.
-        rank: u32,
-    },
-    /// 7 — polls a retrieve. Reply: `Lease`.
-    PollRetrieve {
-        /// The lease.
-        lease_id: String,
-        /// The caller's rank, if it wants it checked.
-        rank: Option<u32>,
-    },
-    /// 8 — ends an exposed retrieve lease. Reply: `Unit`.
-    FinishRetrieve {
-        /// The lease.
-        lease_id: String,
-        /// The caller's rank, if it wants it checked.
-        rank: Option<u32>,
-    },
-    /// 9 — cancels an unexposed retrieve. Reply: `Unit`.
-    CancelRetrieve {
-        /// The lease.
-        lease_id: String,
-        /// The caller's rank, if it wants it checked.
-        rank: Option<u32>,
-    },
-    /// 10 — counters and gauges. Reply: `Status`.
-    Status,
-    /// 11 — drops L1 (and with `all_tiers` L2) copies. Reply: `Clear`.
-    Clear {
-        /// Refused while leases are live; drops everything otherwise.
-        force: bool,
-        /// Also delete L2 files.
-        all_tiers: bool,
-    },
-    /// 12 — every listed generation (operators' `inspect`). Reply: `Generations`.
-    ListGenerations,
-    /// 13 — retires every listed generation of one namespace. Reply: `Count`.
-    InvalidateNamespace {
-        /// The namespace (1..256 characters).
-        namespace: String,
-    },
+/// How an argument of an operation travels: its wire form, made from the
+/// argument, and decoded into a value the argument borrows from. Implemented
+/// for the function-pointer type `fn(T)` of each argument type `T` of the
+/// [operation table](crate::for_each_operation) (a type without free
+/// lifetimes, so a request variant can name `<fn(&[Prefix]) as
+/// WireArg>::Wire`).
+pub trait WireArg {
+    /// The argument as the caller passes it.
+    type Arg<'a>;
+    /// Its form on the wire (a field of a [`Request`] variant).
+    type Wire: Serialize + for<'de> Deserialize<'de> + std::fmt::Debug + Clone + PartialEq + Eq;
+    /// What the server decodes the wire form into (validated).
+    type Held;
+    /// The wire form of an argument.
+    fn to_wire(arg: Self::Arg<'_>) -> Self::Wire;
+    /// Decodes a received wire form; a value the core refuses is its error
+    /// (usually `InvalidInput`).
+    fn decode(wire: Self::Wire) -> Result<Self::Held>;
+    /// The argument a decoded value stands for.
+    fn arg(held: &Self::Held) -> Self::Arg<'_>;
 }
 
-impl Request {
-    /// The operation's name (logs and error messages).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Request::Capabilities => "capabilities",
-            Request::Find { .. } => "find",
-            Request::Begin { .. } => "begin",
-            Request::Abort { .. } => "abort",
-            Request::PrepareStore { .. } => "prepare_store",
-            Request::FinishStore { .. } => "finish_store",
-            Request::BeginRetrieve { .. } => "begin_retrieve",
-            Request::PollRetrieve { .. } => "poll_retrieve",
-            Request::FinishRetrieve { .. } => "finish_retrieve",
-            Request::CancelRetrieve { .. } => "cancel_retrieve",
-            Request::Status => "status",
-            Request::Clear { .. } => "clear",
-            Request::ListGenerations => "list_generations",
-            Request::InvalidateNamespace { .. } => "invalidate_namespace",
+/// An argument passed as is.
+macro_rules! plain_wire_arg {
+    ($($t:ty),*) => {$(
+        impl WireArg for fn($t) {
+            type Arg<'a> = $t;
+            type Wire = $t;
+            type Held = $t;
+            fn to_wire(arg: $t) -> $t {
+                arg
+            }
+            fn decode(wire: $t) -> Result<$t> {
+                Ok(wire)
+            }
+            fn arg(held: &$t) -> $t {
+                *held
+            }
         }
-    }
+    )*};
+}
+plain_wire_arg!(bool, u32, Option<u32>);
 
-    /// Carries the request out on `target`: decodes its arguments into core
-    /// values (a prefix or manifest the core refuses is its error, usually
-    /// `InvalidInput`) and makes the one matching [`Checkpoints`] call. The
-    /// server's whole dispatch.
-    pub fn apply(self, target: &dyn Checkpoints) -> Result<Value> {
-        Ok(match self {
-            Request::Capabilities => Value::Capabilities(target.capabilities()?.into()),
-            Request::Find { roots } => {
-                let roots = roots
-                    .into_iter()
-                    .map(Prefix::try_from)
-                    .collect::<Result<Vec<_>>>()?;
-                Value::Manifest(target.find(&roots)?.as_ref().map(WireManifest::from))
-            }
-            Request::Begin { manifest } => Value::Bool(target.begin(&manifest.try_into()?)?),
-            Request::Abort { generation } => {
-                target.abort(&generation)?;
-                Value::Unit
-            }
-            Request::PrepareStore { manifest, rank } => {
-                Value::Lease(target.prepare_store(&manifest.try_into()?, rank)?.into())
-            }
-            Request::FinishStore {
-                lease_id,
-                success,
-                rank,
-            } => Value::Bool(target.finish_store(&lease_id, success, rank)?),
-            Request::BeginRetrieve { manifest, rank } => {
-                Value::Lease(target.begin_retrieve(&manifest.try_into()?, rank)?.into())
-            }
-            Request::PollRetrieve { lease_id, rank } => {
-                Value::Lease(target.poll_retrieve(&lease_id, rank)?.into())
-            }
-            Request::FinishRetrieve { lease_id, rank } => {
-                target.finish_retrieve(&lease_id, rank)?;
-                Value::Unit
-            }
-            Request::CancelRetrieve { lease_id, rank } => {
-                target.cancel_retrieve(&lease_id, rank)?;
-                Value::Unit
-            }
-            Request::Status => Value::Status(target.status()?.into()),
-            Request::Clear { force, all_tiers } => {
-                Value::Clear(target.clear(force, all_tiers)?.into())
-            }
-            Request::ListGenerations => Value::Generations(
-                target
-                    .list_generations()?
-                    .into_iter()
-                    .map(Into::into)
-                    .collect(),
-            ),
-            Request::InvalidateNamespace { namespace } => {
-                Value::Count(target.invalidate_namespace(&namespace)?)
-            }
-        })
+impl WireArg for fn(&str) {
+    type Arg<'a> = &'a str;
+    type Wire = String;
+    type Held = String;
+    fn to_wire(arg: &str) -> String {
+        arg.to_string()
+    }
+    fn decode(wire: String) -> Result<String> {
+        Ok(wire)
+    }
+    fn arg(held: &String) -> &str {
+        held
     }
 }
 
-/// [`Capabilities`] on the wire.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireCapabilities {
-    /// Slot/layout format version (1).
-    pub format_version: u32,
-    /// RPC protocol version.
-    pub protocol_version: u32,
-    /// The SHM pool's id (new at every server start).
-    pub pool_id: String,
-    /// The SHM pool's size in bytes.
-    pub pool_size: u64,
-    /// Whether the directory survives restarts.
-    pub durable_index: bool,
+impl WireArg for fn(&Manifest) {
+    type Arg<'a> = &'a Manifest;
+    type Wire = WireManifest;
+    type Held = Manifest;
+    fn to_wire(arg: &Manifest) -> WireManifest {
+        arg.into()
+    }
+    fn decode(wire: WireManifest) -> Result<Manifest> {
+        wire.try_into()
+    }
+    fn arg(held: &Manifest) -> &Manifest {
+        held
+    }
 }
 
-impl From<Capabilities> for WireCapabilities {
-    fn from(c: Capabilities) -> Self {
-        WireCapabilities {
-            format_version: c.format_version,
-            protocol_version: c.protocol_version,
-            pool_id: c.pool_id,
-            pool_size: c.pool_size,
-            durable_index: c.durable_index,
+impl WireArg for fn(&[Prefix]) {
+    type Arg<'a> = &'a [Prefix];
+    type Wire = Vec<WirePrefix>;
+    type Held = Vec<Prefix>;
+    fn to_wire(arg: &[Prefix]) -> Vec<WirePrefix> {
+        arg.iter().map(WirePrefix::from).collect()
+    }
+    fn decode(wire: Vec<WirePrefix>) -> Result<Vec<Prefix>> {
+        wire.into_iter().map(Prefix::try_from).collect()
+    }
+    fn arg(held: &Vec<Prefix>) -> &[Prefix] {
+        held
+    }
+}
+
+/// How the result of an operation travels: the [`Value`] variant that
+/// carries it (one per result type; a new result type adds a variant).
+pub trait ReplyValue: Sized {
+    /// The reply value of a result.
+    fn into_value(self) -> Value;
+    /// The result a reply value stands for; another variant is a protocol
+    /// error.
+    fn from_value(value: Value) -> Result<Self>;
+}
+
+/// A result type carried by one [`Value`] variant as is.
+macro_rules! reply_value {
+    ($($t:ty => $variant:ident),* $(,)?) => {$(
+        impl ReplyValue for $t {
+            fn into_value(self) -> Value {
+                Value::$variant(self)
+            }
+            fn from_value(value: Value) -> Result<Self> {
+                match value {
+                    Value::$variant(v) => Ok(v),
+                    other => Err(other.unexpected(stringify!($variant))),
+                }
+            }
+        }
+    )*};
+}
+reply_value! {
+    bool => Bool,
+    Capabilities => Capabilities,
+    Lease => Lease,
+    ServiceStatus => Status,
+    ClearReport => Clear,
+    Vec<GenerationInfo> => Generations,
+    u64 => Count,
+}
+
+impl ReplyValue for () {
+    fn into_value(self) -> Value {
+        Value::Unit
+    }
+    fn from_value(value: Value) -> Result<()> {
+        match value {
+            Value::Unit => Ok(()),
+            other => Err(other.unexpected("Unit")),
         }
     }
 }
 
-impl From<WireCapabilities> for Capabilities {
-    fn from(c: WireCapabilities) -> Self {
-        Capabilities {
-            format_version: c.format_version,
-            protocol_version: c.protocol_version,
-            pool_id: c.pool_id,
-            pool_size: c.pool_size,
-            durable_index: c.durable_index,
+impl ReplyValue for Option<Manifest> {
+    fn into_value(self) -> Value {
+        Value::Manifest(self.as_ref().map(WireManifest::from))
+    }
+    fn from_value(value: Value) -> Result<Self> {
+        match value {
+            Value::Manifest(m) => m
+                .map(Manifest::try_from)
+                .transpose()
+                .map_err(|e| Error::Protocol(format!("the server sent an invalid manifest: {e}"))),
+            other => Err(other.unexpected("Manifest")),
         }
     }
 }
 
-/// [`LeaseStatus`] on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum WireLeaseStatus {
-    /// See [`LeaseStatus::Ready`].
-    Ready,
-    /// See [`LeaseStatus::Busy`].
-    Busy,
-    /// See [`LeaseStatus::Miss`].
-    Miss,
-    /// See [`LeaseStatus::Pending`].
-    Pending,
-}
-
-/// [`Lease`] on the wire.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireLease {
-    /// ready | busy | miss | pending.
-    pub status: WireLeaseStatus,
-    /// The lease to finish (ready/pending).
-    pub lease_id: Option<String>,
-    /// Per page group, per page: `(offset, length)`, or None (store: do not copy).
-    pub slots: Vec<Vec<Option<(u64, u64)>>>,
-    /// Why a miss happened.
-    pub reason: Option<String>,
-    /// The pool the slots belong to (ready leases).
-    pub pool_id: Option<String>,
-}
-
-impl From<Lease> for WireLease {
-    fn from(l: Lease) -> Self {
-        WireLease {
-            status: match l.status {
-                LeaseStatus::Ready => WireLeaseStatus::Ready,
-                LeaseStatus::Busy => WireLeaseStatus::Busy,
-                LeaseStatus::Miss => WireLeaseStatus::Miss,
-                LeaseStatus::Pending => WireLeaseStatus::Pending,
-            },
-            lease_id: l.lease_id,
-            slots: l.slots,
-            reason: l.reason.map(|r| r.as_str().to_string()),
-            pool_id: l.pool_id,
+/// Declares [`Request`] (one variant per operation, fields from
+/// [`WireArg`]), its name and its dispatch from the operation table.
+macro_rules! declare_requests {
+    ([] $({
+        $(#[$doc:meta])*
+        $tag:literal $variant:ident
+        fn $name:ident / $name_async:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty; py $py:tt
+    })*) => {
+        /// One request per operation of the [table](crate::for_each_operation),
+        /// its variant index the request's wire tag: **append only**, never
+        /// reorder (a change is a new protocol version). `rank`, where
+        /// present, is optional: when given, the server refuses
+        /// (InvalidInput) a lease call for a lease another rank obtained.
+        #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+        pub enum Request {
+            $(
+                #[doc = concat!(stringify!($tag), " — ", stringify!($name), ".")]
+                $(#[$doc])*
+                $variant {
+                    $(
+                        #[allow(missing_docs)]
+                        $arg: <fn($ty) as WireArg>::Wire,
+                    )*
+                },
+            )*
         }
-    }
-}
 
-impl From<WireLease> for Lease {
-    fn from(l: WireLease) -> Self {
-        Lease {
-            status: match l.status {
-                WireLeaseStatus::Ready => LeaseStatus::Ready,
-                WireLeaseStatus::Busy => LeaseStatus::Busy,
-                WireLeaseStatus::Miss => LeaseStatus::Miss,
-                WireLeaseStatus::Pending => LeaseStatus::Pending,
-            },
-            lease_id: l.lease_id,
-            slots: l.slots,
-            reason: l.reason.as_deref().map(MissReason::from_name),
-            pool_id: l.pool_id,
+        impl Request {
+            /// The operation's name (logs and error messages).
+            pub fn name(&self) -> &'static str {
+                match self {
+                    $(Request::$variant { .. } => stringify!($name),)*
+                }
+            }
+
+            /// Carries the request out on `target`: decodes its arguments
+            /// into core values (a prefix or manifest the core refuses is
+            /// its error, usually `InvalidInput`) and makes the one matching
+            /// [`Checkpoints`] call. The server's whole dispatch.
+            pub fn apply(self, target: &dyn Checkpoints) -> Result<Value> {
+                match self {
+                    $(
+                        Request::$variant { $($arg),* } => {
+                            $(let $arg = <fn($ty) as WireArg>::decode($arg)?;)*
+                            target
+                                .$name($(<fn($ty) as WireArg>::arg(&$arg)),*)
+                                .map(ReplyValue::into_value)
+                        }
+                    )*
+                }
+            }
         }
-    }
+    };
 }
 
-/// [`ServiceStatus`] on the wire.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireStatus {
-    /// Integer gauges and counters by name.
-    pub values: Vec<(String, u64)>,
-    /// Misses by reason.
-    pub misses: Vec<(String, u64)>,
-    /// The server's facts (protocol version 3).
-    pub info: Vec<(String, Option<String>)>,
-}
+crate::for_each_operation!(declare_requests);
 
-impl From<ServiceStatus> for WireStatus {
-    fn from(s: ServiceStatus) -> Self {
-        WireStatus {
-            values: s.values.into_iter().collect(),
-            misses: s.misses.into_iter().collect(),
-            info: s.info.into_iter().collect(),
-        }
-    }
-}
-
-impl From<WireStatus> for ServiceStatus {
-    fn from(s: WireStatus) -> Self {
-        ServiceStatus {
-            values: s.values.into_iter().collect(),
-            misses: s.misses.into_iter().collect(),
-            info: s.info.into_iter().collect(),
-        }
-    }
-}
-
-/// [`ClearReport`] on the wire.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireClear {
-    /// L1 objects dropped.
-    pub l1_objects: u64,
-    /// L1 bytes freed.
-    pub l1_bytes: u64,
-    /// L2 objects deleted.
-    pub l2_objects: u64,
-    /// Generations retired.
-    pub retired_generations: u64,
-    /// Objects kept because a lease or pin held them.
-    pub kept_objects: u64,
-}
-
-impl From<ClearReport> for WireClear {
-    fn from(r: ClearReport) -> Self {
-        WireClear {
-            l1_objects: r.l1_objects,
-            l1_bytes: r.l1_bytes,
-            l2_objects: r.l2_objects,
-            retired_generations: r.retired_generations,
-            kept_objects: r.kept_objects,
-        }
-    }
-}
-
-impl From<WireClear> for ClearReport {
-    fn from(r: WireClear) -> Self {
-        ClearReport {
-            l1_objects: r.l1_objects,
-            l1_bytes: r.l1_bytes,
-            l2_objects: r.l2_objects,
-            retired_generations: r.retired_generations,
-            kept_objects: r.kept_objects,
-        }
-    }
-}
-
-/// The value of a successful reply. Append only, like [`Request`].
+/// The value of a successful reply: one variant per result type (the
+/// protocol's own types, serialized as they are). Append only, like
+/// [`Request`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Value {
     /// 0 — no value (abort, finish_retrieve, cancel_retrieve).
@@ -458,17 +331,17 @@ pub enum Value {
     /// 1 — begin, finish_store.
     Bool(bool),
     /// 2 — capabilities.
-    Capabilities(WireCapabilities),
-    /// 3 — find.
+    Capabilities(Capabilities),
+    /// 3 — find (validated into a [`Manifest`] on receipt).
     Manifest(Option<WireManifest>),
     /// 4 — prepare_store, begin_retrieve, poll_retrieve.
-    Lease(WireLease),
+    Lease(Lease),
     /// 5 — status.
-    Status(WireStatus),
+    Status(ServiceStatus),
     /// 6 — clear.
-    Clear(WireClear),
+    Clear(ClearReport),
     /// 7 — list_generations.
-    Generations(Vec<WireGeneration>),
+    Generations(Vec<GenerationInfo>),
     /// 8 — invalidate_namespace.
     Count(u64),
 }
@@ -496,114 +369,9 @@ impl Value {
         ))
     }
 
-    /// `Unit`, else a protocol error.
-    pub fn into_unit(self) -> Result<()> {
-        match self {
-            Value::Unit => Ok(()),
-            other => Err(other.unexpected("Unit")),
-        }
-    }
-    /// `Bool`, else a protocol error.
-    pub fn into_bool(self) -> Result<bool> {
-        match self {
-            Value::Bool(b) => Ok(b),
-            other => Err(other.unexpected("Bool")),
-        }
-    }
-    /// `Capabilities`, else a protocol error.
-    pub fn into_capabilities(self) -> Result<Capabilities> {
-        match self {
-            Value::Capabilities(c) => Ok(c.into()),
-            other => Err(other.unexpected("Capabilities")),
-        }
-    }
-    /// `Manifest` (validated), else a protocol error.
-    pub fn into_manifest(self) -> Result<Option<Manifest>> {
-        match self {
-            Value::Manifest(m) => m
-                .map(Manifest::try_from)
-                .transpose()
-                .map_err(|e| Error::Protocol(format!("the server sent an invalid manifest: {e}"))),
-            other => Err(other.unexpected("Manifest")),
-        }
-    }
-    /// `Lease`, else a protocol error.
-    pub fn into_lease(self) -> Result<Lease> {
-        match self {
-            Value::Lease(l) => Ok(l.into()),
-            other => Err(other.unexpected("Lease")),
-        }
-    }
-    /// `Status`, else a protocol error.
-    pub fn into_status(self) -> Result<ServiceStatus> {
-        match self {
-            Value::Status(s) => Ok(s.into()),
-            other => Err(other.unexpected("Status")),
-        }
-    }
-    /// `Clear`, else a protocol error.
-    pub fn into_clear(self) -> Result<ClearReport> {
-        match self {
-            Value::Clear(c) => Ok(c.into()),
-            other => Err(other.unexpected("Clear")),
-        }
-    }
-    /// `Count`, else a protocol error.
-    pub fn into_count(self) -> Result<u64> {
-        match self {
-            Value::Count(n) => Ok(n),
-            other => Err(other.unexpected("Count")),
-        }
-    }
-    /// `Generations`, else a protocol error.
-    pub fn into_generations(self) -> Result<Vec<GenerationInfo>> {
-        match self {
-            Value::Generations(g) => Ok(g.into_iter().map(Into::into).collect()),
-            other => Err(other.unexpected("Generations")),
-        }
-    }
-}
-
-/// [`GenerationInfo`] on the wire.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireGeneration {
-    /// The generation id.
-    pub generation: String,
-    /// Tokens the checkpoint covers.
-    pub num_tokens: u64,
-    /// Ranks that stored it.
-    pub world_size: u32,
-    /// Payload bytes of all ranks.
-    pub payload_bytes: u64,
-    /// Whether every object is durable in L2.
-    pub durable: bool,
-    /// Recency stamp.
-    pub access_order: i64,
-}
-
-impl From<GenerationInfo> for WireGeneration {
-    fn from(g: GenerationInfo) -> Self {
-        WireGeneration {
-            generation: g.generation,
-            num_tokens: g.num_tokens,
-            world_size: g.world_size,
-            payload_bytes: g.payload_bytes,
-            durable: g.durable,
-            access_order: g.access_order,
-        }
-    }
-}
-
-impl From<WireGeneration> for GenerationInfo {
-    fn from(g: WireGeneration) -> Self {
-        GenerationInfo {
-            generation: g.generation,
-            num_tokens: g.num_tokens,
-            world_size: g.world_size,
-            payload_bytes: g.payload_bytes,
-            durable: g.durable,
-            access_order: g.access_order,
-        }
+    /// The result of type `T` this value carries, else a protocol error.
+    pub fn into_result<T: ReplyValue>(self) -> Result<T> {
+        T::from_value(self)
     }
 }
 
