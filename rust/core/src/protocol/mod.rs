@@ -117,8 +117,11 @@ operations! {
     /// the rank and answers true only for the call that published;
     /// `false` discards the pages and aborts the generation.
     fn finish_store / finish_store_async (lease_id: &str, success: bool, rank: Option<u32>) -> bool;
-    /// Starts restoring one rank of a listed generation: `pending` (poll
-    /// it) or `miss`; never raises for an unlisted or retired generation.
+    /// Starts restoring one rank of a listed generation: `ready` with the
+    /// slots when every page of the rank is resident in L1 (exposed at once:
+    /// copy, then finish it; no poll needed), `pending` while pages load
+    /// (poll it) or `miss`; never raises for an unlisted or retired
+    /// generation. Callers must accept any of the three.
     fn begin_retrieve / begin_retrieve_async (manifest: &Manifest, rank: u32) -> Lease;
     /// Polls a retrieve: `pending`, `ready` (every page of the rank,
     /// read-locked until finished) or `miss` (the lease is gone).

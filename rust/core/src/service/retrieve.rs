@@ -34,9 +34,12 @@ pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manife
     Ok(found)
 }
 
-/// Starts restoring one rank of a listed generation. Answers `pending`
-/// with a lease id (poll it) or `miss` (unlisted, retired, no budget). The
-/// lease is held by `holder` (released if that process dies).
+/// Starts restoring one rank of a listed generation. Answers `ready` with
+/// the slots when every page of the rank is resident in L1 (no poll round
+/// trip: the lease is exposed, finish it after the copy), `pending` with a
+/// lease id while pages load (poll it) or `miss` (unlisted, retired, no
+/// budget, a page proven lost). The lease is held by `holder` (released if
+/// that process dies).
 pub(super) fn begin_retrieve(
     inner: &Arc<Inner>,
     holder: &Holder,
@@ -75,7 +78,7 @@ pub(super) fn begin_retrieve(
         },
     );
     advance_retrieve(&mut st, lease_no);
-    Ok(Lease::pending(lease_id))
+    settle(inner, &mut st, lease_no, &lease_id)
 }
 
 fn unknown_lease(lease_id: &str) -> Error {
@@ -107,24 +110,33 @@ pub(super) fn poll_retrieve(
     {
         lease.failed = Some(MissReason::RetrieveTimeout);
     }
-    if let Some(reason) = lease.failed {
-        if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
-            release_readers(&mut st, &lease);
-        }
-        return Ok(st.miss(reason));
-    }
+    settle(inner, &mut st, lease_no, lease_id)
+}
+
+/// The answer for retrieve lease `lease_no` after it advanced (what
+/// begin_retrieve and every poll return): `miss` when it failed (the lease
+/// is removed and its readers released), `pending` while a page is not
+/// held, else `ready` with one slot per page (the first exposure counts the
+/// hit).
+fn settle(inner: &Arc<Inner>, st: &mut State, lease_no: u64, lease_id: &str) -> Result<Lease> {
     let lease = st
         .retrieve_leases
         .get(&lease_no)
         .ok_or_else(|| unknown_lease(lease_id))?;
+    if let Some(reason) = lease.failed {
+        if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
+            release_readers(st, &lease);
+        }
+        return Ok(st.miss(reason));
+    }
     if !lease.held.iter().all(|h| *h) {
         return Ok(Lease::pending(lease_id.to_string()));
     }
     let mut slots = Vec::with_capacity(lease.group_sizes.len());
-    let mut i = 0;
+    let mut keys = lease.keys.iter();
     for size in &lease.group_sizes {
         let mut group = Vec::with_capacity(*size);
-        for key in &lease.keys[i..i + size] {
+        for key in keys.by_ref().take(*size) {
             let obj = st.objects.get(key);
             match obj.and_then(|o| o.slot.map(|s| (s.offset, o.page_bytes))) {
                 Some(slot) => group.push(Some(slot)),
@@ -135,7 +147,6 @@ pub(super) fn poll_retrieve(
                 }
             }
         }
-        i += size;
         slots.push(group);
     }
     let first_exposure = !lease.exposed;

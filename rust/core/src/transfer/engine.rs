@@ -1008,7 +1008,8 @@ impl Inner {
         }
     }
 
-    /// begin_retrieve, then poll until ready; cancels at `rpc_timeout`.
+    /// begin_retrieve (ready at once when every page is in L1), else poll
+    /// until ready; cancels at `rpc_timeout`.
     fn lease_retrieve(&self, job: &Job) -> std::result::Result<(Lease, String), Outcome> {
         let mut lease = self.lease_rpc(
             LeaseCall::BeginRetrieve {
@@ -1018,9 +1019,10 @@ impl Inner {
             false,
         )?;
         let deadline = Instant::now() + self.config.rpc_timeout;
-        // An L1-resident restore is ready at once: poll first, then back off
-        // from 50 µs (an L2 read takes milliseconds) up to 5 ms.
-        let mut step = Duration::ZERO;
+        // An L1-resident restore was ready at begin_retrieve; a pending one
+        // waits for an L2 read (milliseconds): poll after 50 µs, doubling up
+        // to 5 ms.
+        let mut step = Duration::from_micros(50);
         while lease.status == LeaseStatus::Pending {
             let Some(id) = lease.lease_id.clone() else {
                 return Err(Outcome::Failed(Error::Protocol(
@@ -1034,10 +1036,7 @@ impl Inner {
                     self.config.rpc_timeout.as_secs_f64()
                 )));
             }
-            if !step.is_zero() {
-                backoff_sleep(&mut step, Duration::from_millis(5), deadline);
-            }
-            step = step.max(Duration::from_micros(50));
+            backoff_sleep(&mut step, Duration::from_millis(5), deadline);
             lease = match self.lease_rpc(
                 LeaseCall::PollRetrieve {
                     lease_id: id.clone(),
