@@ -2,6 +2,7 @@
 //! (`begin_retrieve`), wait while pages load from L2 (`poll_retrieve`), and
 //! end the lease (`finish_retrieve`, or `cancel_retrieve` before exposure).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,8 +47,8 @@ pub(super) fn begin_retrieve(
     manifest: &Manifest,
     rank: u32,
 ) -> Result<Lease> {
-    let schema = manifest.payload_schema()?;
-    let groups = object_keys(manifest, &schema, rank)?;
+    let keys = rank_keys(inner, manifest, rank)?;
+    let groups = &keys.groups;
     let listed = inner.dir.get(manifest.generation())?;
     let mut st = inner.lock();
     if listed.as_ref() != Some(manifest) || !st.listed.contains_key(manifest.generation()) {
@@ -79,6 +80,81 @@ pub(super) fn begin_retrieve(
     );
     advance_retrieve(&mut st, lease_no);
     settle(inner, &mut st, lease_no, &lease_id)
+}
+
+/// The object keys of recent stores and restores, per manifest and rank: a
+/// rank that restores a generation it stored or restored recently (a hot
+/// prefix), or asks prepare_store again after *busy*, skips the payload
+/// parse and the key hashing, which cost about 0.4 µs per page — the
+/// per-page work is done once per manifest and rank. Keys are a pure
+/// function of the manifest and the rank, and an entry is used only for a
+/// manifest equal to its own in full, so a different manifest under the
+/// same generation id is never served another's keys (and still fails the
+/// directory check). Bounded by entries and bytes; the oldest goes first.
+#[derive(Default)]
+pub(super) struct KeyCache {
+    entries: VecDeque<(Manifest, u32, Arc<RankKeys>)>,
+    /// Payload and key bytes held.
+    bytes: usize,
+}
+
+/// Entries a [`KeyCache`] keeps.
+const KEY_CACHE_ENTRIES: usize = 64;
+/// Payload and key bytes a [`KeyCache`] keeps at most.
+const KEY_CACHE_BYTES: usize = 32 << 20;
+
+/// One rank's object keys per page group, and each group's page size.
+pub(super) struct RankKeys {
+    /// [`object_keys`] of the rank.
+    pub groups: Vec<Vec<ObjectKey>>,
+    /// Bytes per page of each group.
+    pub page_bytes: Vec<u64>,
+}
+
+fn entry_bytes(manifest: &Manifest, keys: &RankKeys) -> usize {
+    let pages: usize = keys.groups.iter().map(Vec::len).sum();
+    manifest.payload().len() + pages * size_of::<ObjectKey>() + keys.page_bytes.len() * 8
+}
+
+impl KeyCache {
+    fn get(&self, manifest: &Manifest, rank: u32) -> Option<Arc<RankKeys>> {
+        self.entries
+            .iter()
+            .find(|(m, r, _)| *r == rank && m == manifest)
+            .map(|(_, _, keys)| keys.clone())
+    }
+
+    fn put(&mut self, manifest: &Manifest, rank: u32, keys: Arc<RankKeys>) {
+        let bytes = entry_bytes(manifest, &keys);
+        if bytes > KEY_CACHE_BYTES / 4 || self.get(manifest, rank).is_some() {
+            return;
+        }
+        while self.entries.len() >= KEY_CACHE_ENTRIES || self.bytes + bytes > KEY_CACHE_BYTES {
+            let Some((m, _, k)) = self.entries.pop_front() else {
+                break;
+            };
+            self.bytes -= entry_bytes(&m, &k);
+        }
+        self.bytes += bytes;
+        self.entries.push_back((manifest.clone(), rank, keys));
+    }
+}
+
+/// The object keys of one rank's pages per group ([`object_keys`]), from
+/// the [`KeyCache`] when this rank stored or restored this manifest
+/// recently. Errors (a bad payload, a rank outside the world) are never
+/// cached.
+pub(super) fn rank_keys(inner: &Arc<Inner>, manifest: &Manifest, rank: u32) -> Result<Arc<RankKeys>> {
+    if let Some(keys) = inner.read_keys.lock().get(manifest, rank) {
+        return Ok(keys);
+    }
+    let schema = manifest.payload_schema()?;
+    let keys = Arc::new(RankKeys {
+        groups: object_keys(manifest, &schema, rank)?,
+        page_bytes: schema.page_groups.iter().map(|g| g.page_bytes).collect(),
+    });
+    inner.read_keys.lock().put(manifest, rank, keys.clone());
+    Ok(keys)
 }
 
 fn unknown_lease(lease_id: &str) -> Error {

@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::counters::Counter;
-use super::keys::object_keys;
 use super::reclaim::Holder;
 use super::state::{L1, PendingGen, RankState, State, StoreLease};
 use crate::error::{Error, Result};
@@ -185,9 +184,8 @@ pub(super) fn prepare_store(
     manifest: &Manifest,
     rank: u32,
 ) -> Result<Lease> {
-    let schema = manifest.payload_schema()?;
-    let groups = object_keys(manifest, &schema, rank)?;
-    let page_bytes: Vec<u64> = schema.page_groups.iter().map(|g| g.page_bytes).collect();
+    let keys = super::retrieve::rank_keys(inner, manifest, rank)?;
+    let (groups, page_bytes) = (&keys.groups, &keys.page_bytes);
     let generation = manifest.generation().to_string();
     let epoch = staged_epoch(&inner.lock(), &generation);
     if !inner.dir.is_pending(manifest)? {
