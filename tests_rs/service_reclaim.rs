@@ -344,7 +344,11 @@ fn an_unpolled_retrieve_lease_is_expired_and_its_readers_released_but_an_exposed
     // the rest leaves L1, and rank 0 begins a restore that must load from
     // L2 (pending) and never polls it (a live holder that lost track of it).
     let kept = svc.begin_retrieve(&m, 1).unwrap();
-    assert_eq!(kept.status, LeaseStatus::Ready, "resident in L1: ready at once");
+    assert_eq!(
+        kept.status,
+        LeaseStatus::Ready,
+        "resident in L1: ready at once"
+    );
     let kept_id = kept.lease_id.clone().unwrap();
     svc.clear(false, false).unwrap();
     let forgotten = svc.begin_retrieve(&m, 0).unwrap();

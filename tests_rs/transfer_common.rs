@@ -733,7 +733,9 @@ impl LeaseApi for Scripted {
             })
         };
         let call = match call {
-            LeaseCall::CancelRetrieve { lease_id, rank } if self.hidden.lock().remove(&lease_id) => {
+            LeaseCall::CancelRetrieve { lease_id, rank }
+                if self.hidden.lock().remove(&lease_id) =>
+            {
                 LeaseCall::FinishRetrieve { lease_id, rank }
             }
             LeaseCall::FinishRetrieve { ref lease_id, .. } => {

@@ -497,7 +497,11 @@ fn lease_calls_follow_the_protocol_order() {
     assert_eq!(worker.retrieve(&m, 0, 1).kind, "copied");
     let names: Vec<&str> = api.calls().iter().map(LeaseCall::name).collect();
     assert_eq!(names[4], "begin_retrieve");
-    assert!(names[5..names.len() - 1].iter().all(|n| *n == "poll_retrieve"));
+    assert!(
+        names[5..names.len() - 1]
+            .iter()
+            .all(|n| *n == "poll_retrieve")
+    );
     assert!(names.len() > 6, "{names:?}");
     assert_eq!(names.last(), Some(&"finish_retrieve"));
     assert_idle(&svc);

@@ -24,10 +24,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::Capabilities;
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
-use lmcache_rc_core::protocol::Capabilities;
 use lmcache_rc_core::transfer::{
     CpuBackend, Direction, EngineConfig, Job, JobPhases, LeaseApi, LeaseCall, PoolShape,
     ReplyHandle, TransferEngine,

@@ -144,7 +144,11 @@ impl KeyCache {
 /// the [`KeyCache`] when this rank stored or restored this manifest
 /// recently. Errors (a bad payload, a rank outside the world) are never
 /// cached.
-pub(super) fn rank_keys(inner: &Arc<Inner>, manifest: &Manifest, rank: u32) -> Result<Arc<RankKeys>> {
+pub(super) fn rank_keys(
+    inner: &Arc<Inner>,
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Arc<RankKeys>> {
     if let Some(keys) = inner.read_keys.lock().get(manifest, rank) {
         return Ok(keys);
     }

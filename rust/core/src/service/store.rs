@@ -230,7 +230,7 @@ pub(super) fn prepare_store(
             return Ok(st.miss(MissReason::Conflict));
         }
         let generation_before = st.alloc.change_generation();
-        match attempt_store(&mut st, &groups, &page_bytes, lease_no) {
+        match attempt_store(&mut st, groups, page_bytes, lease_no) {
             Attempt::Ready {
                 slots,
                 written,
