@@ -2,8 +2,10 @@
 //!
 //! One [`Client`] holds at most one connection. Any number of threads call
 //! it at once: each call gets a fresh request id, registers a reply slot,
-//! writes its frame under the connection's write lock and waits on its slot;
-//! a reader thread per connection routes replies to slots by id. Blocking
+//! writes its frame under the connection's write lock and waits on its slot
+//! (looking at it for a few microseconds before it sleeps, so a prompt reply
+//! costs no second thread wake-up); a reader thread per connection routes
+//! replies to slots by id. Blocking
 //! calls wait at most the configured timeout ([`Error::Timeout`]; the server
 //! may still carry the call out, and its late reply is dropped); the `*_async`
 //! calls return a [`Pending`] future instead.
