@@ -120,7 +120,8 @@ def restore_rank(client: rc.Client, m: rc.Manifest, rank: int) -> bool:
         return False
     assert lease.lease_id is not None
     deadline = time.monotonic() + 30
-    while (lease := client.poll_retrieve(lease.lease_id or "")).status == "pending":
+    while lease.status == "pending":  # ready at once when every page is in L1
+        lease = client.poll_retrieve(lease.lease_id or "")
         assert time.monotonic() < deadline, "retrieve stayed pending"
         time.sleep(0.001)
     if lease.status == "miss":

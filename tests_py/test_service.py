@@ -113,9 +113,11 @@ def retrieve(svc: rc.CheckpointService, m: rc.Manifest, rank: int) -> bool:
     lease = svc.begin_retrieve(m, rank)
     if lease.status == "miss":
         return False
-    assert lease.status == "pending" and lease.lease_id is not None
+    # Ready at once when every page is in L1, else pending: poll.
+    assert lease.status in ("pending", "ready") and lease.lease_id is not None
     deadline = time.monotonic() + 10
-    while (lease := svc.poll_retrieve(lease.lease_id or "")).status == "pending":
+    while lease.status == "pending":
+        lease = svc.poll_retrieve(lease.lease_id or "")
         assert time.monotonic() < deadline
         time.sleep(0.001)
     if lease.status == "miss":

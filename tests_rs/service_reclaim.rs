@@ -331,19 +331,29 @@ fn an_abandoned_pending_generation_is_aborted_by_the_timer() {
 #[test]
 fn an_unpolled_retrieve_lease_is_expired_and_its_readers_released_but_an_exposed_one_is_kept() {
     let timeout = Duration::from_millis(100);
+    let l2 = tempfile::tempdir().unwrap();
     let svc = CheckpointService::open(ServiceConfig {
         retrieve_timeout: timeout,
-        ..config("reclaim", None)
+        ..config("reclaim", Some(l2.path()))
     })
     .unwrap();
     let m = restoring();
     store_all(&svc, &m);
-    // Rank 0 begins a restore and never polls it (a live holder that lost
-    // track of it); rank 1 polls until its slots are exposed and keeps them.
-    let forgotten = svc.begin_retrieve(&m, 0).unwrap();
-    let forgotten_id = forgotten.lease_id.clone().unwrap();
+    settle(&svc);
+    // Rank 1 restores from L1 (exposed at once) and keeps its slots; then
+    // the rest leaves L1, and rank 0 begins a restore that must load from
+    // L2 (pending) and never polls it (a live holder that lost track of it).
     let kept = svc.begin_retrieve(&m, 1).unwrap();
+    assert_eq!(
+        kept.status,
+        LeaseStatus::Ready,
+        "resident in L1: ready at once"
+    );
     let kept_id = kept.lease_id.clone().unwrap();
+    svc.clear(false, false).unwrap();
+    let forgotten = svc.begin_retrieve(&m, 0).unwrap();
+    assert_eq!(forgotten.status, LeaseStatus::Pending);
+    let forgotten_id = forgotten.lease_id.clone().unwrap();
     let t = Instant::now();
     while svc.poll_retrieve(&kept_id, Some(1)).unwrap().status != LeaseStatus::Ready {
         assert!(t.elapsed() < HANG_GUARD);

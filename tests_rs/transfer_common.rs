@@ -496,6 +496,12 @@ pub enum Step {
     Pending,
     /// Forwarded; a `ready` lease in the reply is edited before the engine sees it.
     Edit(Arc<dyn Fn(&mut Lease) + Send + Sync>),
+    /// begin_retrieve: forwarded; a `ready` reply (every page was in L1) is
+    /// shown as `pending` with its id, as a sidecar still loading pages
+    /// would answer, so the engine polls. A cancel of such a lease (the
+    /// engine gave up on it: it never copied from its slots) is forwarded as
+    /// the finish the real sidecar needs for an exposed lease.
+    AsPending,
 }
 
 impl Step {
@@ -517,6 +523,8 @@ pub struct Scripted {
     standing: Mutex<HashMap<&'static str, Step>>,
     hooks: Mutex<HashMap<&'static str, Hook>>,
     log: Mutex<Vec<LeaseCall>>,
+    /// Ready retrieve leases shown as pending ([`Step::AsPending`]).
+    hidden: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Scripted {
@@ -529,6 +537,7 @@ impl Scripted {
             standing: Mutex::new(HashMap::new()),
             hooks: Mutex::new(HashMap::new()),
             log: Mutex::new(Vec::new()),
+            hidden: Arc::default(),
         })
     }
 
@@ -682,6 +691,25 @@ impl ReplyHandle for Edited {
     }
 }
 
+/// The real reply with a ready lease shown as pending ([`Step::AsPending`]).
+struct AsPending {
+    inner: Box<dyn ReplyHandle>,
+    hidden: Arc<Mutex<std::collections::HashSet<String>>>,
+}
+
+impl ReplyHandle for AsPending {
+    fn wait(&self, timeout: Duration) -> Result<LeaseAnswer> {
+        let mut answer = self.inner.wait(timeout)?;
+        if let LeaseAnswer::Lease(lease) = &mut answer {
+            if let (LeaseStatus::Ready, Some(id)) = (lease.status, lease.lease_id.clone()) {
+                self.hidden.lock().insert(id.clone());
+                *lease = Lease::pending(id);
+            }
+        }
+        Ok(answer)
+    }
+}
+
 impl LeaseApi for Scripted {
     fn share_pool(&self) -> Result<(Capabilities, OwnedFd)> {
         let (caps, fd) = self.inner.share_pool()?;
@@ -704,8 +732,24 @@ impl LeaseApi for Scripted {
                 delays: AtomicU32::new(delays),
             })
         };
+        let call = match call {
+            LeaseCall::CancelRetrieve { lease_id, rank }
+                if self.hidden.lock().remove(&lease_id) =>
+            {
+                LeaseCall::FinishRetrieve { lease_id, rank }
+            }
+            LeaseCall::FinishRetrieve { ref lease_id, .. } => {
+                self.hidden.lock().remove(lease_id);
+                call
+            }
+            call => call,
+        };
         match self.step(op) {
             Step::Pass => self.inner.call(call),
+            Step::AsPending => Box::new(AsPending {
+                inner: self.inner.call(call),
+                hidden: self.hidden.clone(),
+            }),
             Step::NoReply => Box::new(Lost),
             Step::Late(n) => Box::new(Delayed {
                 inner: self.inner.call(call),

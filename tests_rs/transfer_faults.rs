@@ -71,6 +71,8 @@ fn a_retrieve_pending_forever_misses_and_is_cancelled_once() {
     let worker = Worker::scripted(&api, FAST);
     let m = tgen(4_000, 40, 1);
     store_all(&svc, &m);
+    // The sidecar answers pending (as while pages load from L2): the engine polls.
+    api.always("begin_retrieve", Step::AsPending);
     api.always("poll_retrieve", Step::Pending);
     worker.pool.fill(0x5A);
     let rows = worker.pool.snapshot();
@@ -97,6 +99,8 @@ fn close_cancels_a_pending_retrieve() {
     let worker = Worker::scripted(&api, SLOW);
     let m = tgen(5_000, 40, 1);
     store_all(&svc, &m);
+    // The sidecar answers pending (as while pages load from L2): the engine polls.
+    api.always("begin_retrieve", Step::AsPending);
     api.always("poll_retrieve", Step::Pending);
     let h = worker.submit(job(&m, 0, Direction::Retrieve, &blocks(&m, 1)));
     eventually("the retrieve polls", || api.count("poll_retrieve") >= 1);
@@ -270,6 +274,8 @@ fn a_late_poll_reply_is_released_unused() {
     let worker = Worker::scripted(&api, FAST);
     let m = tgen(12_000, 40, 1);
     store_all(&svc, &m);
+    // The sidecar answers pending (as while pages load from L2): the engine polls.
+    api.always("begin_retrieve", Step::AsPending);
     worker.pool.fill(0x5A);
     let rows = worker.pool.snapshot();
     api.then("poll_retrieve", Step::Late(1), 1);
@@ -368,6 +374,8 @@ fn a_poll_reply_that_never_arrives_makes_the_engine_unsafe() {
     let worker = Worker::scripted(&api, FAST);
     let m = tgen(17_000, 40, 1);
     store_all(&svc, &m);
+    // The sidecar answers pending (as while pages load from L2): the engine polls.
+    api.always("begin_retrieve", Step::AsPending);
     api.always("poll_retrieve", Step::NoReply);
     worker
         .retrieve(&m, 0, 1)
@@ -420,6 +428,8 @@ fn an_error_while_polling_cancels_the_lookup() {
     let worker = Worker::scripted(&api, FAST);
     let m = tgen(20_000, 40, 1);
     store_all(&svc, &m);
+    // The sidecar answers pending (as while pages load from L2): the engine polls.
+    api.always("begin_retrieve", Step::AsPending);
     api.then("poll_retrieve", Step::Fail(ErrorKind::Unavailable), 1);
     let d = worker.retrieve(&m, 0, 1);
     assert_eq!(d.kind, "failed");
@@ -471,13 +481,28 @@ fn lease_calls_follow_the_protocol_order() {
     assert_eq!(worker.store(&m, 0, 1).kind, "copied");
     assert_eq!(worker.retrieve(&m, 0, 1).kind, "copied");
     let names: Vec<&str> = api.calls().iter().map(LeaseCall::name).collect();
-    assert_eq!(names[..2], ["prepare_store", "finish_store"]);
-    assert_eq!(names[2], "begin_retrieve");
+    // Every page is in L1: begin_retrieve answers ready at once, no poll.
+    assert_eq!(
+        names,
+        [
+            "prepare_store",
+            "finish_store",
+            "begin_retrieve",
+            "finish_retrieve"
+        ]
+    );
+    assert_idle(&svc);
+    // A restore the sidecar answers pending is polled until ready.
+    api.always("begin_retrieve", Step::AsPending);
+    assert_eq!(worker.retrieve(&m, 0, 1).kind, "copied");
+    let names: Vec<&str> = api.calls().iter().map(LeaseCall::name).collect();
+    assert_eq!(names[4], "begin_retrieve");
     assert!(
-        names[3..names.len() - 1]
+        names[5..names.len() - 1]
             .iter()
             .all(|n| *n == "poll_retrieve")
     );
+    assert!(names.len() > 6, "{names:?}");
     assert_eq!(names.last(), Some(&"finish_retrieve"));
     assert_idle(&svc);
 }
@@ -488,6 +513,8 @@ fn a_late_poll_reply_is_released_exactly_once() {
     let worker = Worker::scripted(&api, FAST);
     let m = tgen(24_000, 40, 1);
     store_all(&svc, &m);
+    // The sidecar answers pending (as while pages load from L2): the engine polls.
+    api.always("begin_retrieve", Step::AsPending);
     api.then("poll_retrieve", Step::Late(1), 1);
     let d = worker.retrieve(&m, 0, 1);
     assert_eq!(d.error, Some(ErrorKind::Timeout), "{d:?}");

@@ -162,7 +162,11 @@ fn refused_retrieve(
     worker.pool.fill(0x5A);
     let rows = worker.pool.snapshot();
     let shm = shm_bytes(&svc);
-    api.always("poll_retrieve", Step::edit(move |l| edit(l, pool_size)));
+    // The ready lease comes from begin_retrieve (every page in L1) or a poll.
+    let edit = Arc::new(move |l: &mut Lease| edit(l, pool_size));
+    let again = edit.clone();
+    api.always("begin_retrieve", Step::edit(move |l| edit(l)));
+    api.always("poll_retrieve", Step::edit(move |l| again(l)));
     let d = worker.run(job(&m, 0, Direction::Retrieve, &b));
     d.expect("failed", needle);
     assert_eq!(d.error, Some(ErrorKind::InvalidInput), "{d:?}");

@@ -12,6 +12,9 @@
 //! sizes (one thread writes, reads the reply, repeats; the echo side reads a
 //! frame and writes a frame). The in-process `find` shows the lookup's own
 //! cost. Rounds are interleaved in blocks so drift affects both sides alike.
+//! The no-op is measured again with a 200 µs idle pause before each call
+//! (how a transfer job's lease calls arrive), where every thread wake-up of
+//! a round trip shows.
 // A benchmark reports on stdout and stops at the first failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
@@ -148,8 +151,14 @@ fn measure(
     rounds: usize,
     (req, rep): (usize, usize),
     raw: &mut Raw,
+    gap: Duration,
     mut rpc: impl FnMut(usize),
 ) -> Row {
+    let pause = || {
+        if !gap.is_zero() {
+            std::thread::sleep(gap);
+        }
+    };
     for i in 0..BLOCK {
         raw.once();
         rpc(i);
@@ -158,9 +167,11 @@ fn measure(
     let mut i = 0;
     while a.len() < rounds {
         for _ in 0..BLOCK {
+            pause();
             timed(&mut a, || raw.once());
         }
         for _ in 0..BLOCK {
+            pause();
             timed(&mut b, || rpc(i));
             i += 1;
         }
@@ -228,6 +239,20 @@ fn main() {
         rounds,
         sizes(&caps_req, &caps_rep),
         &mut raw,
+        Duration::ZERO,
+        |_| {
+            client.capabilities().expect("capabilities");
+        },
+    ));
+    // Each call after an idle pause, as a transfer job's lease calls come:
+    // the threads involved are asleep (on a virtual machine an idle CPU may
+    // halt), so every thread wake-up of a round trip shows.
+    rows.push(measure(
+        "no-op after 200 µs idle",
+        (rounds / 10).max(BLOCK),
+        sizes(&caps_req, &caps_rep),
+        &mut raw,
+        Duration::from_micros(200),
         |_| {
             client.capabilities().expect("capabilities");
         },
@@ -243,6 +268,7 @@ fn main() {
         rounds,
         sizes(&status_req, &status_rep),
         &mut raw,
+        Duration::ZERO,
         |_| {
             client.status().expect("status");
         },
@@ -253,6 +279,7 @@ fn main() {
         rounds,
         sizes(&find_req, &find_rep),
         &mut raw,
+        Duration::ZERO,
         |i| {
             let hit = client.find(&queries[i % queries.len()]).expect("find");
             assert!(hit.is_some());

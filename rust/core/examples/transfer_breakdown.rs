@@ -19,16 +19,56 @@
 // A benchmark reports on stdout and stops at the first failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use lmcache_rc_core::protocol::Capabilities;
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 use lmcache_rc_core::transfer::{
-    CpuBackend, Direction, EngineConfig, Job, JobPhases, PoolShape, TransferEngine,
+    CpuBackend, Direction, EngineConfig, Job, JobPhases, LeaseApi, LeaseCall, PoolShape,
+    ReplyHandle, TransferEngine,
 };
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation};
+
+/// Lease RPCs sent so far: [lease phase (prepare_store, begin_retrieve,
+/// poll_retrieve), finish phase (finish_*, cancel_retrieve)].
+#[derive(Default)]
+struct RpcCount([AtomicU64; 2]);
+
+impl RpcCount {
+    fn get(&self) -> [u64; 2] {
+        [0, 1].map(|i| self.0[i].load(Ordering::Relaxed))
+    }
+}
+
+/// The RPC client, counting the lease calls the engine sends through it.
+struct Counting {
+    client: Client,
+    count: Arc<RpcCount>,
+}
+
+impl LeaseApi for Counting {
+    fn share_pool(&self) -> lmcache_rc_core::Result<(Capabilities, OwnedFd)> {
+        self.client.share_pool()
+    }
+    fn pool_id(&self) -> lmcache_rc_core::Result<String> {
+        self.client.pool_id()
+    }
+    fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
+        let phase = match call {
+            LeaseCall::PrepareStore { .. }
+            | LeaseCall::BeginRetrieve { .. }
+            | LeaseCall::PollRetrieve { .. } => 0,
+            _ => 1,
+        };
+        self.count.0[phase].fetch_add(1, Ordering::Relaxed);
+        LeaseApi::call(&self.client, call)
+    }
+}
 
 const SIZES: [u64; 3] = [4 << 10, 256 << 10, 2 << 20];
 const COUNTS: [u64; 3] = [1, 64, 1024];
@@ -80,7 +120,13 @@ fn medians(runs: &[JobPhases]) -> JobPhases {
     }
 }
 
-fn one_job(engine: &TransferEngine, m: &Manifest, direction: Direction, pages: u64) -> JobPhases {
+fn one_job(
+    engine: &TransferEngine,
+    rpcs: &RpcCount,
+    m: &Manifest,
+    direction: Direction,
+    pages: u64,
+) -> (JobPhases, [u64; 2]) {
     let job = Job {
         manifest: m.clone(),
         rank: 0,
@@ -88,6 +134,7 @@ fn one_job(engine: &TransferEngine, m: &Manifest, direction: Direction, pages: u
         block_ids: vec![(1..=pages).collect()],
         producer_event: None,
     };
+    let before = rpcs.get();
     let h = engine.submit(job).expect("submit").expect("admitted");
     h.wait(None);
     assert_eq!(
@@ -95,7 +142,61 @@ fn one_job(engine: &TransferEngine, m: &Manifest, direction: Direction, pages: u
         Some(true),
         "a job failed"
     );
-    h.phases()
+    let after = rpcs.get();
+    (h.phases(), [after[0] - before[0], after[1] - before[1]])
+}
+
+/// The service's own share of a one-page job: each lease call made in
+/// process (no RPC, no engine), median µs.
+fn service_calls(svc: &Arc<CheckpointService>, seq: &mut u32, pages: u64) {
+    let mut t = [(); 6].map(|_| Vec::new());
+    for _ in 0..(3000 / pages).clamp(20, 300) {
+        *seq += 1;
+        let m = manifest(*seq, pages, 4 << 10);
+        assert!(svc.begin(&m).expect("begin"));
+        let mut lap = {
+            let mut clock = Instant::now();
+            move |v: &mut Vec<Duration>| {
+                let now = Instant::now();
+                v.push(now - clock);
+                clock = now;
+            }
+        };
+        let lease = svc.prepare_store(&m, 0).expect("prepare");
+        lap(&mut t[0]);
+        let id = lease.lease_id.expect("store lease id");
+        assert!(svc.finish_store(&id, true, Some(0)).expect("finish"));
+        lap(&mut t[1]);
+        let mut lease = svc.begin_retrieve(&m, 0).expect("begin_retrieve");
+        lap(&mut t[2]);
+        let id = lease.lease_id.clone().expect("retrieve lease id");
+        if lease.status == lmcache_rc_core::protocol::LeaseStatus::Pending {
+            lease = svc.poll_retrieve(&id, Some(0)).expect("poll");
+        }
+        assert_eq!(lease.status, lmcache_rc_core::protocol::LeaseStatus::Ready);
+        lap(&mut t[3]);
+        svc.finish_retrieve(&id, Some(0)).expect("finish_retrieve");
+        lap(&mut t[4]);
+        // The same rank restores the same generation again (a hot prefix).
+        let again = svc.begin_retrieve(&m, 0).expect("begin_retrieve again");
+        lap(&mut t[5]);
+        assert_eq!(again.status, lmcache_rc_core::protocol::LeaseStatus::Ready);
+        svc.finish_retrieve(&again.lease_id.expect("lease id"), Some(0))
+            .expect("finish_retrieve");
+        svc.clear(false, true).expect("clear");
+    }
+    let [a, b, c, d, e, f] = t.map(median);
+    println!(
+        "service calls in process ({pages} x 4 KiB, median µs): prepare_store {:.1}, finish_store \
+         {:.1} (publication), begin_retrieve {:.1}, poll until ready {:.1}, finish_retrieve {:.1}; \
+         begin_retrieve of the same generation again {:.1}",
+        us(a),
+        us(b),
+        us(c),
+        us(d),
+        us(e),
+        us(f)
+    );
 }
 
 /// A pool of `len` bytes on transparent huge pages where the kernel gives
@@ -272,11 +373,17 @@ fn main() {
          RPC round trip (capabilities) p50 {:.1} µs",
         us(rtt)
     );
+    let mut seq = 0u32;
+    for pages in [1, 1024] {
+        service_calls(&svc, &mut seq, pages);
+    }
+    if std::env::var_os("BREAKDOWN_SERVICE_ONLY").is_some() {
+        return;
+    }
     println!(
         "µs per job (median):   queued  check    map  lease   plan handoff     copy finish    total | \
-         copy GB/s memcpy GB/s | per page µs"
+         copy GB/s memcpy GB/s | per page µs | RPCs lease+finish"
     );
-    let mut seq = 0u32;
     // (store, restore) totals of the one-page 4 KiB job.
     let mut one_page = None;
     for page in SIZES {
@@ -302,8 +409,12 @@ fn main() {
             // iteration, before the pool).
             let backend =
                 Arc::new(unsafe { CpuBackend::new(pool.as_mut_ptr(), shape) }.expect("backend"));
+            let rpcs = Arc::new(RpcCount::default());
             let engine = TransferEngine::start(
-                Box::new(Client::connect(&socket).expect("connect")),
+                Box::new(Counting {
+                    client: Client::connect(&socket).expect("connect"),
+                    count: rpcs.clone(),
+                }),
                 backend,
                 EngineConfig {
                     workers: 1,
@@ -312,17 +423,20 @@ fn main() {
             )
             .expect("engine");
             let (mut st, mut rt, mut mc) = (Vec::new(), Vec::new(), Vec::new());
+            // Lease RPCs per job: [store, restore] x [lease phase, finish phase].
+            let mut counts = [[0u64; 2]; 2];
             // Round trips interleaved with the jobs, for the per-job figure.
             let mut near = Vec::new();
             for rep in 0..=reps {
                 seq += 1;
                 let m = manifest(seq, pages, page);
                 assert!(svc.begin(&m).expect("begin"));
-                let s = one_job(&engine, &m, Direction::Store, pages);
+                let (s, sc) = one_job(&engine, &rpcs, &m, Direction::Store, pages);
                 let t = Instant::now();
                 probe.capabilities().expect("capabilities");
                 near.push(t.elapsed());
-                let r = one_job(&engine, &m, Direction::Retrieve, pages);
+                let (r, rc) = one_job(&engine, &rpcs, &m, Direction::Retrieve, pages);
+                counts = [sc, rc];
                 svc.clear(false, true).expect("clear");
                 let t = Instant::now();
                 scratch.copy_from_slice(&pool[page as usize..]);
@@ -340,13 +454,15 @@ fn main() {
             );
             let memcpy = median(mc);
             if pages == 1 && page == SIZES[0] {
-                one_page = Some((medians(&st).total, medians(&rt).total, median(near)));
+                one_page = Some((medians(&st).total, medians(&rt).total, median(near), counts));
             }
-            for (name, runs) in [("store  ", st), ("restore", rt)] {
+            for (name, runs, [lease_rpcs, finish_rpcs]) in
+                [("store  ", st, counts[0]), ("restore", rt, counts[1])]
+            {
                 let p = medians(&runs);
                 let gbs = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
                 println!(
-                    "{pages:>5} x {:>4} KiB {name}: {:6.1} {:6.1} {:6.1} {:6.1} {:6.1} {:7.1} {:8.1} {:6.1} {:8.1} | {:9.2} {:11.2} | {:8.3}",
+                    "{pages:>5} x {:>4} KiB {name}: {:6.1} {:6.1} {:6.1} {:6.1} {:6.1} {:7.1} {:8.1} {:6.1} {:8.1} | {:9.2} {:11.2} | {:8.3} | {lease_rpcs}+{finish_rpcs}",
                     page >> 10,
                     us(p.queued),
                     us(p.check),
@@ -366,15 +482,17 @@ fn main() {
     }
     pipelined(&svc, &socket, &mut seq);
     println!("RPC round trip p50: {:.1} µs", us(rtt));
-    if let Some((store, restore, near)) = one_page {
+    if let Some((store, restore, near, [sc, rc])) = one_page {
         println!(
-            "one-page job (4 KiB, submit to end): store {:.1} µs = {:.1} round trips, restore \
-             {:.1} µs = {:.1} round trips (target <= 3; round trip p50 {:.1} µs measured between \
-             those jobs)",
+            "one-page job (4 KiB, submit to end): store {:.1} µs = {:.1} round trips ({} RPCs), \
+             restore {:.1} µs = {:.1} round trips ({} RPCs) (target <= 3; round trip p50 {:.1} µs \
+             measured between those jobs)",
             us(store),
             us(store) / us(near),
+            sc[0] + sc[1],
             us(restore),
             us(restore) / us(near),
+            rc[0] + rc[1],
             us(near)
         );
     }

@@ -141,8 +141,11 @@ macro_rules! for_each_operation {
                     -> bool; py (lease_id, success, *, rank = None)
             }
             {
-                /// Starts restoring one rank of a listed generation: `pending` (poll
-                /// it) or `miss`; never raises for an unlisted or retired generation.
+                /// Starts restoring one rank of a listed generation: `ready` with the
+                /// slots when every page of the rank is resident in L1 (exposed at
+                /// once: copy, then finish it; no poll needed), `pending` while pages
+                /// load (poll it) or `miss`; never raises for an unlisted or retired
+                /// generation. Callers must accept any of the three.
                 6 BeginRetrieve fn begin_retrieve / begin_retrieve_async
                     (manifest: &$crate::manifest::Manifest, rank: u32)
                     -> $crate::protocol::Lease; py (manifest, rank)

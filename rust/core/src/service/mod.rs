@@ -92,6 +92,8 @@ struct Inner {
     shared: Option<shared::SharedSide>,
     /// When the service opened (its status reports the uptime).
     opened: std::time::Instant,
+    /// The object keys of recent restores (`retrieve::KeyCache`).
+    read_keys: Mutex<retrieve::KeyCache>,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.

@@ -106,6 +106,7 @@ impl CheckpointService {
             #[cfg(feature = "shared-tier")]
             shared,
             opened: std::time::Instant::now(),
+            read_keys: parking_lot::Mutex::new(Default::default()),
         });
         reconcile(&inner, inventory)?;
         Upkeep::start(&inner)?;

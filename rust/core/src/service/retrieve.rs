@@ -2,6 +2,7 @@
 //! (`begin_retrieve`), wait while pages load from L2 (`poll_retrieve`), and
 //! end the lease (`finish_retrieve`, or `cancel_retrieve` before exposure).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,17 +35,20 @@ pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manife
     Ok(found)
 }
 
-/// Starts restoring one rank of a listed generation. Answers `pending`
-/// with a lease id (poll it) or `miss` (unlisted, retired, no budget). The
-/// lease is held by `holder` (released if that process dies).
+/// Starts restoring one rank of a listed generation. Answers `ready` with
+/// the slots when every page of the rank is resident in L1 (no poll round
+/// trip: the lease is exposed, finish it after the copy), `pending` with a
+/// lease id while pages load (poll it) or `miss` (unlisted, retired, no
+/// budget, a page proven lost). The lease is held by `holder` (released if
+/// that process dies).
 pub(super) fn begin_retrieve(
     inner: &Arc<Inner>,
     holder: &Holder,
     manifest: &Manifest,
     rank: u32,
 ) -> Result<Lease> {
-    let schema = manifest.payload_schema()?;
-    let groups = object_keys(manifest, &schema, rank)?;
+    let keys = rank_keys(inner, manifest, rank)?;
+    let groups = &keys.groups;
     let listed = inner.dir.get(manifest.generation())?;
     let mut st = inner.lock();
     if listed.as_ref() != Some(manifest) || !st.listed.contains_key(manifest.generation()) {
@@ -75,7 +79,86 @@ pub(super) fn begin_retrieve(
         },
     );
     advance_retrieve(&mut st, lease_no);
-    Ok(Lease::pending(lease_id))
+    settle(inner, &mut st, lease_no, &lease_id)
+}
+
+/// The object keys of recent stores and restores, per manifest and rank: a
+/// rank that restores a generation it stored or restored recently (a hot
+/// prefix), or asks prepare_store again after *busy*, skips the payload
+/// parse and the key hashing, which cost about 0.4 µs per page — the
+/// per-page work is done once per manifest and rank. Keys are a pure
+/// function of the manifest and the rank, and an entry is used only for a
+/// manifest equal to its own in full, so a different manifest under the
+/// same generation id is never served another's keys (and still fails the
+/// directory check). Bounded by entries and bytes; the oldest goes first.
+#[derive(Default)]
+pub(super) struct KeyCache {
+    entries: VecDeque<(Manifest, u32, Arc<RankKeys>)>,
+    /// Payload and key bytes held.
+    bytes: usize,
+}
+
+/// Entries a [`KeyCache`] keeps.
+const KEY_CACHE_ENTRIES: usize = 64;
+/// Payload and key bytes a [`KeyCache`] keeps at most.
+const KEY_CACHE_BYTES: usize = 32 << 20;
+
+/// One rank's object keys per page group, and each group's page size.
+pub(super) struct RankKeys {
+    /// [`object_keys`] of the rank.
+    pub groups: Vec<Vec<ObjectKey>>,
+    /// Bytes per page of each group.
+    pub page_bytes: Vec<u64>,
+}
+
+fn entry_bytes(manifest: &Manifest, keys: &RankKeys) -> usize {
+    let pages: usize = keys.groups.iter().map(Vec::len).sum();
+    manifest.payload().len() + pages * size_of::<ObjectKey>() + keys.page_bytes.len() * 8
+}
+
+impl KeyCache {
+    fn get(&self, manifest: &Manifest, rank: u32) -> Option<Arc<RankKeys>> {
+        self.entries
+            .iter()
+            .find(|(m, r, _)| *r == rank && m == manifest)
+            .map(|(_, _, keys)| keys.clone())
+    }
+
+    fn put(&mut self, manifest: &Manifest, rank: u32, keys: Arc<RankKeys>) {
+        let bytes = entry_bytes(manifest, &keys);
+        if bytes > KEY_CACHE_BYTES / 4 || self.get(manifest, rank).is_some() {
+            return;
+        }
+        while self.entries.len() >= KEY_CACHE_ENTRIES || self.bytes + bytes > KEY_CACHE_BYTES {
+            let Some((m, _, k)) = self.entries.pop_front() else {
+                break;
+            };
+            self.bytes -= entry_bytes(&m, &k);
+        }
+        self.bytes += bytes;
+        self.entries.push_back((manifest.clone(), rank, keys));
+    }
+}
+
+/// The object keys of one rank's pages per group ([`object_keys`]), from
+/// the [`KeyCache`] when this rank stored or restored this manifest
+/// recently. Errors (a bad payload, a rank outside the world) are never
+/// cached.
+pub(super) fn rank_keys(
+    inner: &Arc<Inner>,
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Arc<RankKeys>> {
+    if let Some(keys) = inner.read_keys.lock().get(manifest, rank) {
+        return Ok(keys);
+    }
+    let schema = manifest.payload_schema()?;
+    let keys = Arc::new(RankKeys {
+        groups: object_keys(manifest, &schema, rank)?,
+        page_bytes: schema.page_groups.iter().map(|g| g.page_bytes).collect(),
+    });
+    inner.read_keys.lock().put(manifest, rank, keys.clone());
+    Ok(keys)
 }
 
 fn unknown_lease(lease_id: &str) -> Error {
@@ -107,24 +190,33 @@ pub(super) fn poll_retrieve(
     {
         lease.failed = Some(MissReason::RetrieveTimeout);
     }
-    if let Some(reason) = lease.failed {
-        if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
-            release_readers(&mut st, &lease);
-        }
-        return Ok(st.miss(reason));
-    }
+    settle(inner, &mut st, lease_no, lease_id)
+}
+
+/// The answer for retrieve lease `lease_no` after it advanced (what
+/// begin_retrieve and every poll return): `miss` when it failed (the lease
+/// is removed and its readers released), `pending` while a page is not
+/// held, else `ready` with one slot per page (the first exposure counts the
+/// hit).
+fn settle(inner: &Arc<Inner>, st: &mut State, lease_no: u64, lease_id: &str) -> Result<Lease> {
     let lease = st
         .retrieve_leases
         .get(&lease_no)
         .ok_or_else(|| unknown_lease(lease_id))?;
+    if let Some(reason) = lease.failed {
+        if let Some(lease) = st.retrieve_leases.remove(&lease_no) {
+            release_readers(st, &lease);
+        }
+        return Ok(st.miss(reason));
+    }
     if !lease.held.iter().all(|h| *h) {
         return Ok(Lease::pending(lease_id.to_string()));
     }
     let mut slots = Vec::with_capacity(lease.group_sizes.len());
-    let mut i = 0;
+    let mut keys = lease.keys.iter();
     for size in &lease.group_sizes {
         let mut group = Vec::with_capacity(*size);
-        for key in &lease.keys[i..i + size] {
+        for key in keys.by_ref().take(*size) {
             let obj = st.objects.get(key);
             match obj.and_then(|o| o.slot.map(|s| (s.offset, o.page_bytes))) {
                 Some(slot) => group.push(Some(slot)),
@@ -135,7 +227,6 @@ pub(super) fn poll_retrieve(
                 }
             }
         }
-        i += size;
         slots.push(group);
     }
     let first_exposure = !lease.exposed;

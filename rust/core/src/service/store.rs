@@ -185,9 +185,8 @@ pub(super) fn prepare_store(
     manifest: &Manifest,
     rank: u32,
 ) -> Result<Lease> {
-    let schema = manifest.payload_schema()?;
-    let groups = object_keys(manifest, &schema, rank)?;
-    let page_bytes: Vec<u64> = schema.page_groups.iter().map(|g| g.page_bytes).collect();
+    let keys = super::retrieve::rank_keys(inner, manifest, rank)?;
+    let (groups, page_bytes) = (&keys.groups, &keys.page_bytes);
     let generation = manifest.generation().to_string();
     let epoch = staged_epoch(&inner.lock(), &generation);
     if !inner.dir.is_pending(manifest)? {
@@ -232,7 +231,7 @@ pub(super) fn prepare_store(
             return Ok(st.miss(MissReason::Conflict));
         }
         let generation_before = st.alloc.change_generation();
-        match attempt_store(&mut st, &groups, &page_bytes, lease_no) {
+        match attempt_store(&mut st, groups, page_bytes, lease_no) {
             Attempt::Ready {
                 slots,
                 written,

@@ -25,10 +25,10 @@
 //!    unlinked), checked against the capabilities, and mapped again when the
 //!    sidecar recreated it (restart).
 //! 3. **Lease**: STORE calls prepare_store and retries *busy* with a doubling
-//!    sleep (1 → 10 ms) until `rpc_timeout`; RETRIEVE calls begin_retrieve and
-//!    polls (at once, then 50 µs doubling to 5 ms) until `rpc_timeout`, then
-//!    cancels (never fatal: a
-//!    pending lookup exposed no bytes).
+//!    sleep (1 → 10 ms) until `rpc_timeout`; RETRIEVE calls begin_retrieve,
+//!    which answers `ready` at once when every page is in L1, and otherwise
+//!    polls (after 50 µs, doubling to 5 ms) until `rpc_timeout`, then
+//!    cancels (never fatal: a pending lookup exposed no bytes).
 //! 4. **Validate** the lent slots against the mapped pool — [`plan::plan_copy`];
 //!    a pool replaced since mapping fails the lease ("replaced").
 //! 5. **Copy** through the [`CopyBackend`] (cpu or cuda), which returns only
