@@ -14,7 +14,6 @@ use crate::error::{Error, Result};
 use crate::manifest::Manifest;
 use crate::protocol::{Lease, MissReason, Slot};
 use crate::store::ObjectKey;
-use crate::store::object_keys;
 
 /// How long a capacity wait sleeps between retries at most.
 const RETRY_WAIT: Duration = Duration::from_millis(100);
