@@ -16,7 +16,7 @@ use lmcache_rc_core::protocol::{
 };
 use lmcache_rc_core::{Error, ErrorKind, Manifest, Prefix, Result};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyTuple, PyType};
 
 use crate::errors::{IntoPyResult, invalid, to_pyerr};
 use crate::fork::Owned;
@@ -46,9 +46,16 @@ impl ToPython for u64 {
     }
 }
 
+/// A result that crosses as plain Python values: its serde form (a struct
+/// is a dict of its fields in declaration order, through pythonize), so
+/// each field is written once, on the protocol type.
+fn plain<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
+    Ok(pythonize::pythonize(py, value)?.unbind())
+}
+
 impl ToPython for Capabilities {
     fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        Ok(capabilities_dict(py, self)?.into_any().unbind())
+        plain(py, &self)
     }
 }
 
@@ -87,42 +94,14 @@ impl ToPython for ServiceStatus {
 
 impl ToPython for ClearReport {
     fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let d = PyDict::new(py);
-        d.set_item("l1_objects", self.l1_objects)?;
-        d.set_item("l1_bytes", self.l1_bytes)?;
-        d.set_item("l2_objects", self.l2_objects)?;
-        d.set_item("retired_generations", self.retired_generations)?;
-        d.set_item("kept_objects", self.kept_objects)?;
-        Ok(d.into_any().unbind())
+        plain(py, &self)
     }
 }
 
 impl ToPython for Vec<GenerationInfo> {
     fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let out = PyList::empty(py);
-        for g in self {
-            let d = PyDict::new(py);
-            d.set_item("generation", g.generation)?;
-            d.set_item("num_tokens", g.num_tokens)?;
-            d.set_item("world_size", g.world_size)?;
-            d.set_item("payload_bytes", g.payload_bytes)?;
-            d.set_item("durable", g.durable)?;
-            d.set_item("access_order", g.access_order)?;
-            out.append(d)?;
-        }
-        Ok(out.into_any().unbind())
+        plain(py, &self)
     }
-}
-
-/// The capabilities dict (also the transfer engine's `capabilities()`).
-pub(crate) fn capabilities_dict(py: Python<'_>, c: Capabilities) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("format_version", c.format_version)?;
-    d.set_item("protocol_version", c.protocol_version)?;
-    d.set_item("pool_id", c.pool_id)?;
-    d.set_item("pool_size", c.pool_size)?;
-    d.set_item("durable_index", c.durable_index)?;
-    Ok(d)
 }
 
 /// Runs one blocking operation with the GIL released and converts its result.

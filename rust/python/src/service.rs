@@ -16,7 +16,6 @@ use pyo3::types::PyList;
 use crate::config::PyServerConfig;
 use crate::errors::{IntoPyResult, invalid};
 use crate::fork::Owned;
-pub(crate) use crate::protocol::capabilities_dict;
 use crate::protocol::{PyLease, checkpoint_pymethods};
 
 /// The checkpoint service running in this process (tests, notebooks, the

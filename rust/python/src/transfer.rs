@@ -36,7 +36,7 @@ use crate::convert::exact_u64;
 use crate::errors::{IntoPyResult, invalid, invalid_type, to_pyerr};
 use crate::fork::Owned;
 use crate::identity::PyManifest;
-use crate::service::capabilities_dict;
+use crate::protocol::ToPython;
 
 /// Which backend an engine uses, with what the test hook needs.
 enum BackendRef {
@@ -624,10 +624,10 @@ impl PyTransferEngine {
     }
 
     /// The capabilities of the mapped pool (None before the first mapping).
-    fn capabilities<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    fn capabilities(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let engine = self.engine.get()?;
         py.detach(|| engine.capabilities())
-            .map(|c| capabilities_dict(py, c))
+            .map(|c| c.to_python(py))
             .transpose()
     }
 
