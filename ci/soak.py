@@ -22,9 +22,10 @@ What passes (exit 0), and what fails (exit 1):
   and counted, not errors: a clean miss (find miss; retrieve ``not_listed`` /
   ``retrieve_timeout`` / ``capacity``; store ``capacity`` / ``conflict`` /
   ``aborted_during_store`` / ``not_pending``), ``busy`` (retried), a ``begin``
-  refused because an identical generation is pending or listed, a forced clear
-  refused with ``LeasesLive``. Each unexpected error is printed once with its
-  type and message;
+  refused because an identical generation is pending or listed (or for
+  ``max_pending``), a forced clear refused with ``LeasesLive`` (retried for up
+  to 10 s, so that most forced clears do run under load). Each unexpected
+  error is printed once with its type and message;
 - after the workers stop, no lease is left (``store_leases``,
   ``retrieve_leases`` == 0): those of killed workers came back;
 - flat resources of the sidecar between the middle sample (half-time, well
@@ -312,7 +313,10 @@ def worker(socket: str, seed: int, out: Path, ops_file: Path) -> None:
 
 
 def operator(socket: str, seed: int, out: Path, ops_file: Path, period: float) -> None:
-    """Clear about every ``period`` seconds, force=False and force=True in turn."""
+    """Clear about every ``period`` seconds, force=False and force=True in
+    turn. A forced clear refused with ``LeasesLive`` (the workers nearly
+    always hold a lease) is retried every 5 ms for up to 10 s, so that forced
+    clears do happen in the middle of stores and restores."""
     t = Tally(out)
     rng = random.Random(seed)
     force = False
@@ -324,14 +328,23 @@ def operator(socket: str, seed: int, out: Path, ops_file: Path, period: float) -
                 continue
             next_at = time.monotonic() + rng.uniform(0.5, 1.5) * period
             t.add("op_clear")
-            try:
-                report = c.clear(force=force)
-                t.add(f"clear_force_{force}")
-                t.add("clear_retired", report["retired_generations"])
-            except rc.errors.LeasesLive:
-                t.add("clear_refused_leases_live")
-            except Exception as exc:
-                t.error("clear", exc)
+            give_up = time.monotonic() + 10
+            while True:
+                try:
+                    report = c.clear(force=force)
+                    t.add(f"clear_force_{force}")
+                    t.add("clear_retired", report["retired_generations"])
+                    t.add("clear_l1_objects", report["l1_objects"])
+                    break
+                except rc.errors.LeasesLive:
+                    t.add("clear_refused_leases_live")
+                    if time.monotonic() > give_up:
+                        t.add("clear_forced_gave_up")
+                        break
+                    time.sleep(0.005)
+                except Exception as exc:
+                    t.error("clear", exc)
+                    break
             force = not force
             t.flush(force=True)
     t.flush(force=True)
