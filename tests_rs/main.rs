@@ -6,6 +6,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod common;
+mod crash_images;
+mod crash_record;
 mod http_admin;
 mod identity_properties;
 mod identity_vectors;

@@ -460,6 +460,7 @@ impl SidecarConfig {
                 }),
                 None => None,
             },
+            index_vfs: None,
         })
     }
 

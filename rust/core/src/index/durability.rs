@@ -146,21 +146,46 @@ impl Syncer {
     /// asked, the directory holding them.
     fn fsync(&self, sync_parent: bool) -> Result<()> {
         self.fsyncs.fetch_add(1, Ordering::Relaxed);
-        let file = match std::fs::File::open(&self.wal) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::File::open(&self.db)
-                .map_err(|e| Error::io(format!("open {}", self.db.display()), e))?,
+        let (file, path) = match std::fs::File::open(&self.wal) {
+            Ok(f) => (f, &self.wal),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
+                std::fs::File::open(&self.db)
+                    .map_err(|e| Error::io(format!("open {}", self.db.display()), e))?,
+                &self.db,
+            ),
             Err(e) => return Err(Error::io(format!("open {}", self.wal.display()), e)),
         };
+        // Announced before it runs: a write that lands during the fsync is
+        // then, conservatively, one it may not cover.
+        if let Some(hook) = FSYNC_HOOK.get() {
+            hook(path);
+        }
         file.sync_data()
             .map_err(|e| Error::io(format!("fsync {}", self.wal.display()), e))?;
         if sync_parent {
+            if let Some(hook) = FSYNC_HOOK.get() {
+                hook(&self.parent);
+            }
             std::fs::File::open(&self.parent)
                 .and_then(|d| d.sync_all())
                 .map_err(|e| Error::io(format!("fsync {}", self.parent.display()), e))?;
         }
         Ok(())
     }
+}
+
+/// Test hook: called with the path of every fsync the syncer runs itself
+/// (the log, or the database file, and the directory holding them), just
+/// before it runs. The fsyncs SQLite runs go through its VFS instead
+/// ([`super::DirectoryConfig::vfs`]). Crash-image tests record both
+/// (`tests_rs/crash_images.rs`).
+static FSYNC_HOOK: std::sync::OnceLock<fn(&Path)> = std::sync::OnceLock::new();
+
+/// Installs the process-wide fsync hook (see [`FSYNC_HOOK`]); false when one
+/// was installed already (it stays).
+#[doc(hidden)]
+pub fn set_fsync_hook(hook: fn(&Path)) -> bool {
+    FSYNC_HOOK.set(hook).is_ok()
 }
 
 fn poisoned(why: &str) -> Error {

@@ -131,6 +131,8 @@ use crate::identity::{Prefix, TokenRoots};
 use crate::manifest::Manifest;
 
 use durability::Syncer;
+#[doc(hidden)]
+pub use durability::set_fsync_hook;
 use lookup::{Entry, Lookup, Map, bucket_fp, entry_fp};
 pub use schema::{
     FORMAT_VERSION, TAIL_HASH_BASE, TAIL_HASH_MODULUS, tail_hash, tail_prefix_hashes, tail_text,
@@ -192,6 +194,12 @@ pub struct DirectoryConfig {
     /// build without the same hook will open.
     #[doc(hidden)]
     pub tail_hash_hook: Option<fn(u64) -> u64>,
+    /// Test hook: the name of a registered SQLite VFS that every connection
+    /// of the directory opens its file through (crash-image tests record the
+    /// writes and syncs with it, `tests_rs/crash_images.rs`). `None` = the
+    /// default VFS.
+    #[doc(hidden)]
+    pub vfs: Option<String>,
 }
 
 impl Default for DirectoryConfig {
@@ -203,6 +211,7 @@ impl Default for DirectoryConfig {
             recency_flush_interval: Duration::from_secs(1),
             recency_flush_updates: 1024,
             tail_hash_hook: None,
+            vfs: None,
         }
     }
 }
@@ -530,7 +539,7 @@ fn open_writable(
     path: Option<&Path>,
     config: &DirectoryConfig,
 ) -> Result<(Connection, schema::Reconciled)> {
-    let mut conn = schema::open_connection(path)?;
+    let mut conn = schema::open_connection(path, config.vfs.as_deref())?;
     let report = schema::reconcile(&mut conn, config.tail_hash_hook, path.is_some())?;
     Ok((conn, report))
 }
@@ -559,7 +568,7 @@ impl Directory {
                 ) && path.is_some_and(schema::disk_full) =>
             {
                 let p = path.unwrap_or(Path::new(""));
-                let (conn, source) = schema::open_read_only(p)?;
+                let (conn, source) = schema::open_read_only(p, config.vfs.as_deref())?;
                 let why = format!(
                     "the disk holding the checkpoint index {} is full ({e})",
                     p.display()
@@ -616,7 +625,9 @@ impl Directory {
         // A read-only directory (full disk) starts its background thread
         // once it is writable again (`reopen_writable`).
         let checkpointer = match path {
-            Some(p) if read_only.is_none() => Some(schema::open_checkpointer(p)?),
+            Some(p) if read_only.is_none() => {
+                Some(schema::open_checkpointer(p, config.vfs.as_deref())?)
+            }
             _ => None,
         };
         let background = Arc::new(Background::default());
@@ -699,12 +710,13 @@ impl Directory {
             log::warn!("checkpoint directory: recency flush failed (will retry): {e}");
         }
         let interval = inner.config.recency_flush_interval;
+        let vfs = inner.config.vfs.clone();
         drop(inner);
         let mut flusher = self.flusher.lock();
         if flusher.is_none()
             && let Some(syncer) = &self.syncer
         {
-            let checkpointer = schema::open_checkpointer(path)?;
+            let checkpointer = schema::open_checkpointer(path, vfs.as_deref())?;
             *flusher = Some(start_background(
                 &self.shared,
                 interval,
@@ -1114,6 +1126,23 @@ impl Directory {
             syncer.sync_through(seq)?;
         }
         Ok(published)
+    }
+
+    /// Makes every commit so far durable (one fsync of the write-ahead log,
+    /// shared as in [`Directory::mark_durable`]; the first also syncs the
+    /// directory holding the file). Nothing to do for an in-memory
+    /// directory. The service calls it before it writes the directory's id
+    /// into an L2 binding: the id is committed at the first open without an
+    /// fsync, and a binding that outlived the id it names (a power cut in
+    /// between) would refuse the restart.
+    pub fn sync(&self) -> Result<()> {
+        if let Some(syncer) = &self.syncer {
+            // Commits made while opening were not numbered: number one now
+            // so the fsync below covers them.
+            let seq = syncer.committed();
+            syncer.sync_through(seq)?;
+        }
+        Ok(())
     }
 
     /// Marks one published generation durable ([`mark_durable`] of one,

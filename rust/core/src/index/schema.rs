@@ -404,16 +404,26 @@ const AUTOCHECKPOINT_PAGES: u32 = 16_384;
 /// Size the write-ahead log file is cut back to when SQLite restarts it.
 const JOURNAL_SIZE_LIMIT: u64 = 64 << 20;
 
+/// Opens a read-write connection to the file `path` (created if absent),
+/// through the SQLite VFS `vfs` when one is named (a test hook,
+/// [`super::DirectoryConfig::vfs`]).
+fn open_file(path: &Path, vfs: Option<&str>) -> rusqlite::Result<Connection> {
+    match vfs {
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, rusqlite::OpenFlags::default(), vfs),
+        None => Connection::open(path),
+    }
+}
+
 /// Opens the connection, refuses unknown formats and foreign files, and
 /// sets the journal.
-pub(super) fn open_connection(path: Option<&Path>) -> Result<Connection> {
+pub(super) fn open_connection(path: Option<&Path>, vfs: Option<&str>) -> Result<Connection> {
     let name = describe(path);
     let conn = match path {
         Some(p) => {
             create_parent(p)?;
             check_header(p)?;
             private_files(p, false)?;
-            Connection::open(p).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?
+            open_file(p, vfs).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?
         }
         None => Connection::open_in_memory().db()?,
     };
@@ -730,7 +740,10 @@ pub(super) enum ReadOnlySource {
 /// in memory and the copy is served (see [`ReadOnlySource::MemoryCopy`]). A
 /// file that needs an upgrade, or a copy that does not fit in memory, is
 /// refused with a message saying to free space.
-pub(super) fn open_read_only(path: &Path) -> Result<(Connection, ReadOnlySource)> {
+pub(super) fn open_read_only(
+    path: &Path,
+    vfs: Option<&str>,
+) -> Result<(Connection, ReadOnlySource)> {
     let name = describe(Some(path));
     check_header(path)?;
     private_files(path, false)?;
@@ -739,7 +752,7 @@ pub(super) fn open_read_only(path: &Path) -> Result<(Connection, ReadOnlySource)
     let wal = Path::new(&wal);
     let wal_bytes = std::fs::metadata(wal).map_or(0, |m| m.len());
     if wal_bytes == 0 {
-        return Ok((open_immutable(path, &name)?, ReadOnlySource::File));
+        return Ok((open_immutable(path, &name, vfs)?, ReadOnlySource::File));
     }
     let copy = MemoryCopy::take(path, wal, &name, wal_bytes)?;
     {
@@ -749,7 +762,7 @@ pub(super) fn open_read_only(path: &Path) -> Result<(Connection, ReadOnlySource)
         })?;
         checkpoint_wal(&merge)?;
     }
-    let conn = open_immutable(&copy.db, &name)?;
+    let conn = open_immutable(&copy.db, &name, None)?;
     // The connection holds the copy's file open: its name can go now, so
     // nothing is left behind in memory once the connection closes, whatever
     // ends the process.
@@ -826,13 +839,17 @@ impl Drop for MemoryCopy {
 
 /// The read-only, immutable open of a current directory file (no lock, no
 /// log, no byte written).
-fn open_immutable(path: &Path, name: &str) -> Result<Connection> {
+fn open_immutable(path: &Path, name: &str, vfs: Option<&str>) -> Result<Connection> {
     use rusqlite::OpenFlags;
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
         | OpenFlags::SQLITE_OPEN_URI
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(file_uri(path, "mode=ro&immutable=1")?, flags)
-        .map_err(|e| Error::Database(format!("cannot open {name} read-only: {e}")))?;
+    let uri = file_uri(path, "mode=ro&immutable=1")?;
+    let conn = match vfs {
+        Some(vfs) => Connection::open_with_flags_and_vfs(uri, flags, vfs),
+        None => Connection::open_with_flags(uri, flags),
+    }
+    .map_err(|e| Error::Database(format!("cannot open {name} read-only: {e}")))?;
     let version = check_version(&conn, name)?;
     let current: bool = conn
         .query_row(
@@ -854,10 +871,10 @@ fn open_immutable(path: &Path, name: &str) -> Result<Connection> {
 
 /// Opens the background thread's connection to a file already opened (and
 /// so in WAL mode) by [`open_connection`]; it runs passive checkpoints only.
-pub(super) fn open_checkpointer(path: &Path) -> Result<Connection> {
+pub(super) fn open_checkpointer(path: &Path, vfs: Option<&str>) -> Result<Connection> {
     let name = describe(Some(path));
     let conn =
-        Connection::open(path).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?;
+        open_file(path, vfs).map_err(|e| Error::Database(format!("cannot open {name}: {e}")))?;
     // Checkpoints sync the log before copying and the database after.
     conn.execute_batch("PRAGMA synchronous=NORMAL").db()?;
     conn.busy_timeout(std::time::Duration::from_secs(1)).db()?;

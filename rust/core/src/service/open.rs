@@ -60,6 +60,7 @@ impl CheckpointService {
             DirectoryConfig {
                 max_entries: config.max_entries,
                 max_pending: config.max_pending,
+                vfs: config.index_vfs.clone(),
                 ..DirectoryConfig::default()
             },
         )?;
@@ -203,6 +204,12 @@ fn bind(
         },
     };
     if found.as_ref() != Some(&wanted) {
+        // The binding names the directory's id: the id must be on disk
+        // before the binding is (a binding naming an id a power cut took
+        // away would refuse every restart).
+        if wanted.durable {
+            dir.sync()?;
+        }
         write_binding(fs, root, &wanted)?;
         if let Some(old) = found.filter(|b| b.index_id != wanted.index_id) {
             log::info!(

@@ -35,6 +35,10 @@ pub struct ServiceConfig {
     /// The shared tier across hosts; `None` = none (see
     /// `docs/design/shared-tier.md`).
     pub shared: Option<SharedSettings>,
+    /// Test hook: the SQLite VFS the directory's connections open the index
+    /// through (see `DirectoryConfig::vfs`); `None` = the default.
+    #[doc(hidden)]
+    pub index_vfs: Option<String>,
 }
 
 /// The service's use of a shared tier (an object store or a shared
@@ -86,6 +90,7 @@ impl Default for ServiceConfig {
             abandoned_after: Some(Duration::from_secs(600)),
             l2_io_threads: 2,
             shared: None,
+            index_vfs: None,
         }
     }
 }

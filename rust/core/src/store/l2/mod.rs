@@ -53,7 +53,9 @@
 //! # Durable write order
 //!
 //! 1. (first write into a bucket) create `objects/<aa>/<bb>` (all 256
-//!    `objects/<aa>` directories are created, and `objects/` fsynced, at open);
+//!    `objects/<aa>` directories are created, and `objects/` fsynced, at open;
+//!    so are `objects/` and `tmp/`, with the root fsynced, and the root
+//!    itself and any missing parent, each with its parent fsynced);
 //! 2. create a unique temp file in `tmp/`, write header and page;
 //! 3. fsync the temp file;
 //! 4. (bucket created in step 1) fsync `objects/<aa>`;
@@ -246,8 +248,24 @@ impl L2Tier {
             )
         };
         private(root)?;
+        // The directories this open creates (the root and missing parents,
+        // outermost last): each one's entry is made durable by an fsync of
+        // its parent, else a power cut could take the whole tier away,
+        // objects of durable generations included.
+        let created: Vec<&Path> = root
+            .ancestors()
+            .take_while(|p| !p.as_os_str().is_empty() && !p.exists())
+            .collect();
         fs.create_dir_all(root)
             .map_err(|e| Error::io(format!("create L2 directory {}", root.display()), e))?;
+        for dir in &created {
+            let parent = match dir.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            fs.sync_dir(parent)
+                .map_err(|e| Error::io(format!("fsync directory {}", parent.display()), e))?;
+        }
         private(root)?;
         let objects = root.join("objects");
         let tmp = root.join("tmp");
