@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::index::{Directory, DirectoryConfig};
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 
@@ -380,27 +379,7 @@ fn record_run(
 /// Generations whose durable flag is in the image (the directory opened on
 /// its own).
 fn flagged(index: &Path) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    if !index.exists() {
-        return out;
-    }
-    let dir = Directory::open(Some(index), DirectoryConfig::default()).unwrap();
-    let mut after: Option<String> = None;
-    loop {
-        let page = dir.list(after.as_deref(), 256).unwrap();
-        out.extend(
-            page.generations
-                .into_iter()
-                .filter(|l| l.durable)
-                .map(|l| l.manifest.generation().to_owned()),
-        );
-        match page.next_after {
-            Some(next) => after = Some(next),
-            None => break,
-        }
-    }
-    dir.close().unwrap();
-    out
+    durable_flags(index).into_iter().collect()
 }
 
 #[derive(Default)]

@@ -18,7 +18,18 @@ fn request(admin: &HttpAdmin, method: &str, path: &str) -> (u16, String) {
 
 /// Sends one request with `extra` header lines; (status code, body).
 fn request_with(admin: &HttpAdmin, method: &str, path: &str, extra: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(admin.local_addr()).unwrap();
+    http_request(admin.local_addr(), method, path, extra)
+}
+
+/// Sends one HTTP/1.1 request to `addr` with `extra` header lines and reads
+/// the reply to the end; (status code, body). Shared with the sidecar tests.
+pub fn http_request(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    extra: &str,
+) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: x\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"

@@ -10,6 +10,7 @@
 
 use std::time::Duration;
 
+use lmcache_rc_core::index::{Directory, DirectoryConfig};
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, Lease, LeaseStatus, ServiceConfig};
@@ -725,4 +726,30 @@ pub fn durable_config(tag: &str, dir: &Path) -> ServiceConfig {
         checkpoint_index_path: Some(dir.join("index.sqlite")),
         ..config(tag, Some(&dir.join("l2")))
     }
+}
+
+/// Generations whose durable flag is set in the directory file (opened on its
+/// own, before the service reconciles it).
+pub fn durable_flags(index: &Path) -> Vec<String> {
+    if !index.exists() {
+        return Vec::new();
+    }
+    let dir = Directory::open(Some(index), DirectoryConfig::default()).unwrap();
+    let mut flagged = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = dir.list(after.as_deref(), 256).unwrap();
+        flagged.extend(
+            page.generations
+                .into_iter()
+                .filter(|l| l.durable)
+                .map(|l| l.manifest.generation().to_owned()),
+        );
+        match page.next_after {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    dir.close().unwrap();
+    flagged
 }

@@ -14,7 +14,6 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
-use lmcache_rc_core::index::{Directory, DirectoryConfig};
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 
@@ -81,32 +80,6 @@ fn child_loop() {
     }
     // Not killed in time: park so the parent still kills a live process.
     std::thread::sleep(Duration::from_secs(60));
-}
-
-/// Generations whose durable flag is set in the directory file (opened on its
-/// own, before the service reconciles it).
-fn durable_flags(index: &Path) -> Vec<String> {
-    if !index.exists() {
-        return Vec::new();
-    }
-    let dir = Directory::open(Some(index), DirectoryConfig::default()).unwrap();
-    let mut flagged = Vec::new();
-    let mut after: Option<String> = None;
-    loop {
-        let page = dir.list(after.as_deref(), 256).unwrap();
-        flagged.extend(
-            page.generations
-                .into_iter()
-                .filter(|l| l.durable)
-                .map(|l| l.manifest.generation().to_owned()),
-        );
-        match page.next_after {
-            Some(next) => after = Some(next),
-            None => break,
-        }
-    }
-    dir.close().unwrap();
-    flagged
 }
 
 /// xorshift64 for the kill delays (the seed is printed).

@@ -2,7 +2,6 @@
 //! HTTP admin API), without Python: they serve, stop in order, stop once,
 //! stop when dropped, and a part that fails at start leaves nothing running.
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -34,20 +33,7 @@ fn http_addr(sidecar: &Sidecar) -> SocketAddr {
 
 /// `GET path` on `addr`; (status code, body).
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    let code = text[9..12].parse().unwrap();
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
+    crate::http_admin::http_request(addr, "GET", path, "")
 }
 
 /// Everything a running sidecar leaves on the host is gone: its socket, its
