@@ -405,14 +405,59 @@ def start_gated(
     return GatedEngine(proc, path)
 
 
+SHM = Path("/dev/shm")
+
+
+def _torch_segments() -> set[str]:
+    """torch's shared-memory segments (``psm_*``) and multiprocessing's named
+    semaphores (``sem.mp-*``) in /dev/shm."""
+    try:
+        return {p.name for pattern in ("psm_*", "sem.mp-*") for p in SHM.glob(pattern)}
+    except OSError:
+        return set()
+
+
+def _in_use(names: set[str]) -> set[str]:
+    """Those of ``names`` a live process still has open or mapped."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+            fds = [os.readlink(f) for f in (proc / "fd").iterdir()]
+        except OSError:
+            continue  # gone, or not ours to read
+        text = maps + "\n".join(fds)
+        used.update(n for n in names if f"/dev/shm/{n}" in text)
+    return used
+
+
+def remove_orphaned_segments(before: set[str]) -> list[str]:
+    """Removes the segments created since ``before`` that no live process
+    uses: a SIGKILLed engine cannot unlink them, and each leaks its model's
+    shared tensors (about 400 MB a killed engine) until the machine reboots.
+    Returns the names removed."""
+    new = _torch_segments() - before
+    orphaned = sorted(new - _in_use(new))
+    for name in orphaned:
+        try:
+            (SHM / name).unlink()
+        except FileNotFoundError:
+            pass
+    return orphaned
+
+
 @pytest.fixture
 def engines(tmp_path: Path, model_dirs: dict[str, Path]) -> Iterator[Engines]:
     """The test's engines; afterwards, none of their processes may be left
     (an engine that ended, or that the test killed, takes vLLM's engine core
-    and workers with it)."""
+    and workers with it), and no shared memory their processes left behind."""
+    segments = _torch_segments()
     eng = Engines(tmp_path, model_dirs)
     yield eng
     leaked = eng.leaked()
+    remove_orphaned_segments(segments)
     assert not leaked, f"engine process groups outlived the test (now killed): {leaked}"
 
 
