@@ -133,23 +133,27 @@ def test_two_sidecars_given_the_same_old_shm_name_never_share_a_pool(tmp_path: P
 def test_a_sigkilled_sidecar_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
     old_name = f"lmrc-hardening-kill-{os.getpid()}-{time.monotonic_ns()}"
     proc, _ = start_sidecar(tmp_path, "--shm-name", old_name)
-    socket = str(tmp_path / "side.sock")
-    client = rc.Client(socket)
-    pool = client.capabilities()["pool_id"]
-    m, _ = make_manifest(list(range(40)), world=1)
-    assert client.begin(m) and store_rank(client, m, 0)
-    # Everything the sidecar maps or holds open: the pool is an anonymous
-    # memfd, nothing is a file in /dev/shm (which outlives a SIGKILL).
-    maps = Path(f"/proc/{proc.pid}/maps").read_text()
-    assert "/memfd:lmcache-rc-l1" in maps, "the pool is an anonymous memfd"
-    assert "/dev/shm/" not in maps, "nothing of the sidecar is named in /dev/shm"
-    fds = []
-    for f in Path(f"/proc/{proc.pid}/fd").iterdir():
-        try:
-            fds.append(os.readlink(f))
-        except FileNotFoundError:
-            pass  # closed since the listing (a connection, a log write)
-    assert not [f for f in fds if f.startswith("/dev/shm/")], fds
+    try:
+        socket = str(tmp_path / "side.sock")
+        client = rc.Client(socket)
+        pool = client.capabilities()["pool_id"]
+        m, _ = make_manifest(list(range(40)), world=1)
+        assert client.begin(m) and store_rank(client, m, 0)
+        # Everything the sidecar maps or holds open: the pool is an anonymous
+        # memfd, nothing is a file in /dev/shm (which outlives a SIGKILL).
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "/memfd:lmcache-rc-l1" in maps, "the pool is an anonymous memfd"
+        assert "/dev/shm/" not in maps, "nothing of the sidecar is named in /dev/shm"
+        fds = []
+        for f in Path(f"/proc/{proc.pid}/fd").iterdir():
+            try:
+                fds.append(os.readlink(f))
+            except FileNotFoundError:
+                pass  # closed since the listing (a connection, a log write)
+        assert not [f for f in fds if f.startswith("/dev/shm/")], fds
+    except BaseException:
+        proc.kill()  # a failed check must not leave the sidecar running
+        raise
     proc.kill()
     proc.wait(timeout=60)
     assert not Path("/dev/shm", old_name).exists()

@@ -616,15 +616,19 @@ def test_a_full_disk_restart_after_a_kill_serves_what_was_durable(
     sock = tmp_path / "run" / "s.sock"
     first = Sidecar(sock, *durable(small_disk))
     assert first.wait_ready(), first.output()
-    c = rc.Client(str(sock))
-    gens = store_generations(sock, 6)
-    wait_for(lambda: durable_count(c) == 6, "the generations are durable")
-    # One more, killed before it is durable (as in the reported run: 18
-    # listed, 17 durable): after the restart it is served byte-exact or not
-    # at all.
-    late, _ = make_manifest(list(range(800, 860)), world=1)
-    assert c.begin(late) and store_rank(c, late, 0)
-    c.close()
+    try:
+        c = rc.Client(str(sock))
+        gens = store_generations(sock, 6)
+        wait_for(lambda: durable_count(c) == 6, "the generations are durable")
+        # One more, killed before it is durable (as in the reported run: 18
+        # listed, 17 durable): after the restart it is served byte-exact or
+        # not at all.
+        late, _ = make_manifest(list(range(800, 860)), world=1)
+        assert c.begin(late) and store_rank(c, late, 0)
+        c.close()
+    except BaseException:
+        first.proc.kill()  # a failed check must not leave the sidecar running
+        raise
     wal = small_disk / "index.sqlite-wal"
     assert wal.stat().st_size > 0, "the kill leaves commits in the write-ahead log"
     first.proc.kill()
