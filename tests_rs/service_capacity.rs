@@ -3,11 +3,14 @@
 //! restore from L2 that finds no RAM misses without delisting the intact
 //! generation.
 
+use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
 use lmcache_rc_core::protocol::MissReason;
 use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
+use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
 use crate::service_common::*;
 
@@ -17,6 +20,8 @@ both_ways!(
     a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity,
     store_admission_succeeds_once_a_lease_releases_space_during_its_wait,
     a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable,
+    making_room_for_a_restore_never_retires_the_generation_it_restores,
+    a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed,
 );
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
@@ -207,6 +212,128 @@ fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>
     let report = svc.clear(false, false).unwrap();
     assert_eq!(report.retired_generations, 1);
     assert!(!is_listed(&svc, &a));
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+/// One rank of 1 MiB attention pages, one page per 16 tokens (a prefix of
+/// `tokens` shares its full pages).
+fn mib_pages(ns: &str, tokens: &[u32]) -> Manifest {
+    let pages = (tokens.len() as u64).div_ceil(16);
+    let groups = vec![GroupSpec::new(
+        "engine-kv-group:0",
+        1 << 20,
+        (0..pages).collect(),
+        Role::Attention(16),
+    )];
+    build_manifest(ns, tokens, 1, &groups, 2, "prompt")
+}
+
+/// The soak's "durable L2 page found absent" (issue 23): a restore whose
+/// first page is only on disk needs a slot; the pool is full, and the oldest
+/// evictable copy was the restored generation's own L1-only page, not yet
+/// held by the lease. Evicting it retired that generation, which reclaimed
+/// the disk page and queued its file's delete — and the load was queued
+/// anyway, for an object that was gone, into a slot nothing owned: the
+/// delete ran first, the load found the file absent (`l2_corrupt_or_missing`)
+/// and the restore missed with `lost_object`. The lease now holds its
+/// resident pages before it makes room for the others.
+fn making_room_for_a_restore_never_retires_the_generation_it_restores<T: Target>() {
+    let dir = tempfile::tempdir().unwrap();
+    let l2 = dir.path().join("l2");
+    let faulty = FaultyFs::new();
+    let svc = T::open_with_fs(
+        config("room-own", Some(&l2)),
+        Arc::new(faulty.clone()),
+        &mut |_| {},
+    )
+    .unwrap();
+    let ns = "recurrent-sha256-v1:room-own";
+    let tokens = seq(50_000, 32);
+    let first = mib_pages(ns, &tokens[..16]);
+    let m = mib_pages(ns, &tokens);
+    let shared = rank_keys(&m, 0)[0][0];
+    assert_eq!(rank_keys(&first, 0)[0][0], shared);
+    store_all(&svc, &first);
+    settle(&svc);
+    svc.clear(false, false).unwrap();
+    // m reuses first's page (on disk only) and writes its second page, whose
+    // L2 write fails (an fsync: the tier is poisoned), so it stays L1-only.
+    assert!(svc.begin(&m).unwrap());
+    let lease = prepare(&svc, &m, 0);
+    assert_eq!(lease.status, LeaseStatus::Ready);
+    // first goes; its page stays, pinned by m's staging.
+    assert_eq!(svc.invalidate_namespace(ns).unwrap(), 1);
+    faulty.fail_next(Op::SyncFile, 1, io::ErrorKind::Other);
+    fill(&svc, &m, 0, &lease);
+    assert!(
+        svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
+            .unwrap()
+    );
+    settle(&svc);
+    assert_eq!(
+        stat(&svc, "l2_objects"),
+        1,
+        "only the shared page is durable"
+    );
+    // A newer L1-only generation fills the rest of the pool.
+    let filler = mib_pages("recurrent-sha256-v1:room-filler", &seq(51_000, 48));
+    store_all(&svc, &filler);
+    settle(&svc);
+    assert_eq!(stat(&svc, "l1_bytes"), 4 << 20, "the pool is full");
+
+    // Room for the disk page comes from the filler (retired with its only
+    // copies), never from m itself.
+    restore_all(&svc, &m);
+    assert!(is_listed(&svc, &m));
+    assert!(!is_listed(&svc, &filler));
+    settle(&svc);
+    assert_eq!(stat(&svc, "l2_corrupt_or_missing"), 0);
+    assert_eq!(misses(&svc, "lost_object"), 0);
+    assert!(l2_file(&l2, &shared).exists(), "its file was not deleted");
+    assert_idle(&svc);
+    restore_all(&svc, &m);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+/// A restore waiting for L1 room holds no reader on its disk-only pages, so
+/// they can go meanwhile with their generation (here an invalidation; in the
+/// soak an L2 eviction). The next poll finds the page gone: the generation
+/// is no longer listed, so that is a clean `not_listed` miss — what
+/// `begin_retrieve` answers now — not a `lost_object` (nothing was lost).
+fn a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed<T: Target>() {
+    let dir = tempfile::tempdir().unwrap();
+    let l2 = dir.path().join("l2");
+    let svc = T::open(config("room-retired", Some(&l2))).unwrap();
+    let ns = "recurrent-sha256-v1:room-retired";
+    let m = mib_pages(ns, &seq(52_000, 16));
+    store_all(&svc, &m);
+    settle(&svc);
+    svc.clear(false, false).unwrap();
+    let filler = pool_filler(53_000);
+    store_all(&svc, &filler);
+    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+    assert_eq!(
+        stat(&svc, "l1_bytes"),
+        4 << 20,
+        "the pool is full of leased pages"
+    );
+
+    let begun = svc.begin_retrieve(&m, 0).unwrap();
+    assert_eq!(begun.status, LeaseStatus::Pending, "{begun:?}");
+    assert!(stat(&svc, "retrieve_capacity_waits") >= 1);
+    assert_eq!(svc.invalidate_namespace(ns).unwrap(), 1);
+    let answer = poll_done(&svc, begun.lease_id.as_deref().unwrap());
+    assert_eq!(answer.status, LeaseStatus::Miss, "{answer:?}");
+    assert_eq!(answer.reason, Some(MissReason::NotListed), "{answer:?}");
+    assert_eq!(misses(&svc, "lost_object"), 0);
+    assert_eq!(stat(&svc, "retrieve_leases"), 4, "the lease is gone");
+
+    for lease in &leases {
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
+            .unwrap();
+    }
     assert_idle(&svc);
     svc.close().unwrap();
 }

@@ -344,7 +344,16 @@ pub(super) fn release_readers(st: &mut State, lease: &RetrieveLease) {
 }
 
 /// Takes readers on every resident page of a retrieve and queues L2 loads
-/// for the rest (performed when the lock is released).
+/// (or shared-tier fetches) for the rest (performed when the lock is
+/// released).
+///
+/// Two passes: first every resident page is held (or waited for), then
+/// slots are found for the pages only on disk. The order matters: finding a
+/// slot may evict L1 copies, and an L1-only copy evicted takes its
+/// generations with it — were one of this lease's own resident pages still
+/// unheld, making room for its disk pages could retire the very generation
+/// it restores, reclaim those disk pages and delete their files under the
+/// load about to read them (the soak's "durable L2 page absent").
 fn advance_retrieve(st: &mut State, lease_no: u64) {
     let Some(lease) = st.retrieve_leases.get(&lease_no) else {
         return;
@@ -360,19 +369,37 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
         .map(|(i, _)| (i, lease.keys[i]))
         .collect();
     let generation = lease.generation.clone();
+    // Pass 1: hold what is resident, wait for what is in flight.
+    let mut to_place = Vec::new();
     for (i, key) in pending {
-        let state = st
-            .objects
-            .get(&key)
-            .map(|o| (o.l1, o.l2, o.page_bytes, o.remote.clone()));
-        match state {
-            Some((L1::Ready, _, _, _)) => {
+        match st.objects.get(&key).map(|o| o.l1) {
+            Some(L1::Ready) => {
                 st.add_reader(&key);
                 st.touch(&key);
                 if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
                     lease.held[i] = true;
                 }
             }
+            Some(L1::Loading | L1::Writing(_)) => {
+                if let Some(obj) = st.objects.get_mut(&key) {
+                    if !obj.waiters.contains(&lease_no) {
+                        obj.waiters.push(lease_no);
+                    }
+                }
+            }
+            _ => to_place.push(key),
+        }
+    }
+    // Pass 2: read through, from L2 when it has the page, else from the
+    // shared tier (verified against its key before it is Ready).
+    for key in to_place {
+        let state = st
+            .objects
+            .get(&key)
+            .map(|o| (o.l1, o.l2, o.page_bytes, o.remote.clone()));
+        match state {
+            // An earlier page of this pass started its load already (the
+            // same object twice in the rank).
             Some((L1::Loading | L1::Writing(_), _, _, _)) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
@@ -380,8 +407,6 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
                     }
                 }
             }
-            // Read through: from L2 when it has the page, else from the
-            // shared tier (verified against its key before it is Ready).
             Some((L1::Absent, l2, bytes, remote)) if l2 == L2::Durable || remote.is_some() => {
                 let mut slot = st.alloc.alloc(bytes);
                 if slot.is_none() {
@@ -390,42 +415,66 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
                         slot = st.alloc.alloc(bytes);
                     }
                 }
-                match slot {
-                    Some(slot) => {
-                        if let Some(obj) = st.objects.get_mut(&key) {
-                            obj.slot = Some(slot);
-                            obj.l1 = L1::Loading;
-                            obj.waiters.push(lease_no);
-                        }
-                        st.start_io(&key);
-                        match remote.filter(|_| l2 != L2::Durable) {
-                            None => {
-                                st.count(Counter::L2Loads, 1);
-                                st.loads.push((key, slot.offset, bytes));
-                            }
-                            Some(namespace) => {
-                                st.count(Counter::SharedFetches, 1);
-                                st.fetches.push(Fetch {
-                                    key,
-                                    offset: slot.offset,
-                                    len: bytes,
-                                    namespace,
-                                });
-                            }
-                        }
+                let Some(slot) = slot else {
+                    // Wait for space; the poll deadline bounds the wait.
+                    st.count(Counter::RetrieveCapacityWaits, 1);
+                    continue;
+                };
+                // The eviction must have left the page as it was (pass 1
+                // holds this lease's resident pages); if not, give the slot
+                // back and let the next poll look again, never queue a load
+                // for an object that is gone (its file may be deleted).
+                let unchanged = st.objects.get(&key).is_some_and(|o| {
+                    o.l1 == L1::Absent && (o.l2 == L2::Durable || o.remote.is_some())
+                });
+                if !unchanged {
+                    log::error!(
+                        "internal: object {key} changed while room was made for its load; \
+                         the next poll looks again"
+                    );
+                    if let Err(e) = st.alloc.free(slot) {
+                        log::error!("freeing an L1 slot failed (accounting bug): {e}");
                     }
+                    continue;
+                }
+                if let Some(obj) = st.objects.get_mut(&key) {
+                    obj.slot = Some(slot);
+                    obj.l1 = L1::Loading;
+                    obj.waiters.push(lease_no);
+                }
+                st.start_io(&key);
+                match remote.filter(|_| l2 != L2::Durable) {
                     None => {
-                        // Wait for space; the poll deadline bounds the wait.
-                        st.count(Counter::RetrieveCapacityWaits, 1);
+                        st.count(Counter::L2Loads, 1);
+                        st.loads.push((key, slot.offset, bytes));
+                    }
+                    Some(namespace) => {
+                        st.count(Counter::SharedFetches, 1);
+                        st.fetches.push(Fetch {
+                            key,
+                            offset: slot.offset,
+                            len: bytes,
+                            namespace,
+                        });
                     }
                 }
             }
             _ => {
-                // No copy anywhere: proof of loss, the generation is retired.
+                // No copy anywhere. Of a listed generation's page that is
+                // proof of loss: the lease fails with lost_object and the
+                // generation is retired. If the generation was retired
+                // while this lease waited (an L2 eviction, an invalidation
+                // or a clear took the page it held no reader on), nothing
+                // was lost: a clean miss, as begin_retrieve would answer now.
+                let listed = st.listed.contains_key(generation.as_str());
                 if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
-                    lease.failed = Some(MissReason::LostObject);
+                    lease.failed = Some(if listed {
+                        MissReason::LostObject
+                    } else {
+                        MissReason::NotListed
+                    });
                 }
-                if st.listed.contains_key(generation.as_str()) {
+                if listed {
                     st.to_retire.push(Arc::from(generation.as_str()));
                     st.unlist_generation(&generation);
                 }

@@ -310,7 +310,10 @@ fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
                         lease.failed = Some(reason);
                     }
                 }
-                if proof {
+                // The load's I/O hold kept the object; were it gone, its
+                // key could name a new object by now whose file is not
+                // this one's to delete.
+                if proof && st.objects.contains_key(&key) {
                     st.count(Counter::L2CorruptOrMissing, 1);
                     if let Some(obj) = st.objects.get_mut(&key) {
                         obj.l2 = L2::Absent;
