@@ -318,8 +318,15 @@ fn service_config(root: &Path, l2_bytes: Option<u64>, vfs: bool) -> ServiceConfi
 }
 
 fn gen_manifest(scenario: &str, i: u32) -> Manifest {
-    let ns = format!("recurrent-sha256-v1:crash-images-{scenario}");
-    standard(&ns, &seq(1000 * (i + 1), 48 + 16 * (i % 3)), "prompt", 2)
+    standard(&gen_namespace(scenario), &gen_tokens(i), "prompt", 2)
+}
+
+fn gen_namespace(scenario: &str) -> String {
+    format!("recurrent-sha256-v1:crash-images-{scenario}")
+}
+
+fn gen_tokens(i: u32) -> Vec<u32> {
+    seq(1000 * (i + 1), 48 + 16 * (i % 3))
 }
 
 /// A recorded run: the log, and every generation it tried to store.
@@ -334,6 +341,18 @@ fn record_run(
     scenario: &str,
     base: &Path,
     l2_bytes: Option<u64>,
+    body: impl FnOnce(&CheckpointService, &mut dyn FnMut(&CheckpointService) -> Manifest),
+) -> Run {
+    record_run_with(scenario, base, l2_bytes, |c| c, body)
+}
+
+/// [`record_run`] with the recorded service's settings adjusted by `adjust`
+/// (the restarts on the images use the plain [`service_config`]).
+fn record_run_with(
+    scenario: &str,
+    base: &Path,
+    l2_bytes: Option<u64>,
+    adjust: impl FnOnce(ServiceConfig) -> ServiceConfig,
     body: impl FnOnce(&CheckpointService, &mut dyn FnMut(&CheckpointService) -> Manifest),
 ) -> Run {
     let root = base.join("run").canonicalize().unwrap_or_else(|_| {
@@ -351,7 +370,7 @@ fn record_run(
     }
     let session = Session::start(&root);
     let svc = CheckpointService::open_with_fs(
-        service_config(&root, l2_bytes, true),
+        adjust(service_config(&root, l2_bytes, true)),
         recording_fs(),
         &mut |_| {},
     )
@@ -668,4 +687,91 @@ fn power_cuts_around_clear_lose_no_durable_generation() {
         }
     });
     check_run("clear", &run, 24, 8, 40);
+}
+
+/// Generations imported from the shared tier (`service/shared.rs`): another
+/// host stores and uploads them to a shared filesystem (`file://`); the
+/// recorded host finds them there (the import publishes each in its
+/// directory, not durable, its pages known only remotely), restores them
+/// (each page fetched into L1, then written to its L2, which makes the
+/// import durable here) and stores one of its own between imports. A power
+/// cut anywhere keeps every import whose durable flag was synced, with its
+/// pages; an import cut before that is retired at the restart or misses
+/// cleanly (the restart has no shared tier: nothing can be fetched again).
+#[cfg(feature = "shared-tier")]
+#[test]
+fn power_cuts_during_shared_tier_imports_lose_no_durable_generation() {
+    use lmcache_rc_core::TokenRoots;
+    use lmcache_rc_core::service::SharedSettings;
+
+    let base = tempfile::tempdir().unwrap();
+    let shared_dir = base.path().join("shared");
+    std::fs::create_dir(&shared_dir).unwrap();
+    let shared = || SharedSettings {
+        // Generous: a lookup must not time out on a busy machine.
+        lookup_timeout: Duration::from_secs(10),
+        ..SharedSettings::new(format!("file://{}", shared_dir.display()))
+    };
+    // The other host: its own directory and L2, the same shared tier.
+    let scenario = "shared-import";
+    let remote: Vec<Manifest> = (100..103).map(|i| gen_manifest(scenario, i)).collect();
+    {
+        let other = tempfile::tempdir().unwrap();
+        let host = CheckpointService::open(ServiceConfig {
+            shared: Some(shared()),
+            ..durable_config("crash-images-other-host", other.path())
+        })
+        .unwrap();
+        for m in &remote {
+            store_all(&host, m);
+        }
+        settle(&host);
+        let deadline = std::time::Instant::now() + HANG_GUARD;
+        while stat(&host, "shared_manifests_written") < remote.len() as u64
+            || stat(&host, "shared_upload_queue") > 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "uploads did not finish"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        host.close().unwrap();
+    }
+    let ns = gen_namespace(scenario);
+    let mut imported = Vec::new();
+    let mut run = record_run_with(
+        scenario,
+        base.path(),
+        None,
+        |c| ServiceConfig {
+            shared: Some(shared()),
+            ..c
+        },
+        |svc, store| {
+            for (i, m) in (100..103).zip(&remote) {
+                let roots = TokenRoots::build(&ns, gen_tokens(i), 4096).unwrap().roots();
+                let found = svc.find(&roots).unwrap();
+                assert_eq!(found.as_ref(), Some(m), "the import of {}", m.generation());
+                imported.push(m.clone());
+                restore_all(svc, m);
+                settle(svc);
+                store(svc);
+                settle(svc);
+            }
+            assert_eq!(stat(svc, "shared_imports"), remote.len() as u64);
+        },
+    );
+    let flags = flagged(&run.root.join("idx").join("index.sqlite"));
+    for m in &imported {
+        assert!(
+            flags.contains(m.generation()),
+            "the import of {} became durable by the end of the run",
+            m.generation()
+        );
+    }
+    run.stored.extend(imported);
+    // Fewer cut points than the other scenarios (CI time): the log is as
+    // long, and the import's own steps are a small part of it.
+    check_run(scenario, &run, 16, 6, 30);
 }
