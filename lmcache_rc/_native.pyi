@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from lmcache_rc.results import (
     Capabilities,
+    ChangeBatch,
     ClearReport,
     DirectoryStatus,
     GenerationInfo,
@@ -344,6 +345,12 @@ class _Checkpoints(Generic[_S]):
     # invalidate_namespace: listed generations of one namespace retired; returns how many.
     def invalidate_namespace(self, namespace: str) -> int: ...
     def invalidate_namespace_async(self, namespace: str) -> Future[int]: ...
+    # changes: the change feed since `since` (2**64-1: from now) and the tier of
+    # each watched generation (docs/design/change-feed.md).
+    def changes(self, since: int, watch: Sequence[str] | None = None) -> ChangeBatch: ...
+    def changes_async(
+        self, since: int, watch: Sequence[str] | None = None
+    ) -> Future[ChangeBatch]: ...
     def slot_array(self, offset: int, length: int) -> npt.NDArray[np.uint8]: ...
     def lease_arrays(self, lease: Lease) -> list[list[npt.NDArray[np.uint8] | None]]: ...
 

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Capabilities",
+    "Change",
+    "ChangeBatch",
     "ClearReport",
     "DirectoryStatus",
     "GenerationInfo",
@@ -205,6 +207,32 @@ class GenerationInfo(TypedDict):
     payload_bytes: int
     durable: bool
     access_order: int
+
+
+class Change(TypedDict):
+    """One entry of the sidecar's change feed (``changes()``,
+    ``docs/design/change-feed.md``)."""
+
+    seq: int
+    generation: str
+    kind: str
+    """``listed``, ``tier`` or ``unlisted``."""
+    tier: str | None
+    """``l1``, ``l2`` or ``shared`` (None for ``unlisted``)."""
+
+
+class ChangeBatch(TypedDict):
+    """What ``changes(since, watch)`` answers."""
+
+    epoch: str
+    """Random per sidecar start: another one means the sidecar restarted."""
+    next_seq: int
+    truncated: bool
+    """Changes since ``since`` were dropped (or ``since`` is not of this epoch)."""
+    more: bool
+    changes: list[Change]
+    watched: list[str | None]
+    """The tier of each watched generation now, None where not listed."""
 
 
 class StopReport(TypedDict):

@@ -52,6 +52,10 @@ def test_service_and_server_results_match_their_typed_dicts(tmp_path: Path) -> N
             rows = client.list_generations()
             assert len(rows) == 1
             assert_shape(rows[0], results.GenerationInfo)
+            batch = client.changes(0, [m.generation])
+            assert_shape(batch, results.ChangeBatch)
+            assert_shape(batch["changes"][0], results.Change)
+            assert batch["watched"] == ["l1"]
             assert_shape(client.clear(), results.ClearReport)
             assert_shape(client.status_async().result(timeout=30), results.RpcStatus)
             assert_shape(m.page_groups()[0], results.PageGroup)

@@ -30,6 +30,7 @@ mod rpc_wire;
 mod s3_server;
 mod service_basic;
 mod service_capacity;
+mod service_changes;
 mod service_clear;
 mod service_common;
 mod service_crash;

@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use lmcache_rc_core::protocol::{
-    Capabilities, ClearReport, GenerationInfo, Lease, MissReason, OPERATIONS, ServiceStatus,
+    Capabilities, Change, ChangeBatch, ClearReport, GenerationInfo, Lease, MissReason, OPERATIONS,
+    ServiceStatus,
 };
 use lmcache_rc_core::rpc::wire::{self, Reply, Request, Value, WireManifest, WirePrefix};
 use lmcache_rc_core::{ErrorKind, Manifest, TokenRoots, checkpoint_generation};
@@ -35,6 +36,7 @@ const TAGS: &[(&str, u8)] = &[
     ("clear", 11),
     ("list_generations", 12),
     ("invalidate_namespace", 13),
+    ("changes", 14),
 ];
 
 fn fixtures() -> PathBuf {
@@ -131,6 +133,13 @@ fn requests() -> Vec<(&'static str, Request)> {
                 namespace: "recurrent-sha256-v1:golden".into(),
             },
         ),
+        (
+            "changes",
+            Request::Changes {
+                since: 300,
+                watch: vec!["recurrent-content-v1:abc".into()],
+            },
+        ),
     ]
 }
 
@@ -183,6 +192,27 @@ fn replies() -> Vec<(&'static str, Reply)> {
             access_order: -1,
         },
     ];
+    let changes = ChangeBatch {
+        epoch: "0123456789abcdef0123456789abcdef".into(),
+        next_seq: 302,
+        truncated: false,
+        more: true,
+        changes: vec![
+            Change {
+                seq: 300,
+                generation: "recurrent-content-v1:abc".into(),
+                kind: "listed".into(),
+                tier: Some("l1".into()),
+            },
+            Change {
+                seq: 301,
+                generation: "recurrent-content-v1:def".into(),
+                kind: "unlisted".into(),
+                tier: None,
+            },
+        ],
+        watched: vec![Some("l2".into()), None],
+    };
     vec![
         ("capabilities", ok(Value::Capabilities(caps))),
         (
@@ -209,6 +239,7 @@ fn replies() -> Vec<(&'static str, Reply)> {
         ("clear", ok(Value::Clear(report))),
         ("list_generations", ok(Value::Generations(generations))),
         ("invalidate_namespace", ok(Value::Count(300))),
+        ("changes", ok(Value::Changes(changes))),
         (
             "error",
             Reply::error(

@@ -44,6 +44,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
@@ -230,6 +231,9 @@ class EngineSpec:
     it keeps (0: only semantic ones, N: also every N tokens, None: every block)."""
     connector: bool = True
     failure_policy: str = "recompute"
+    kv_events_endpoint: str | None = None
+    """vLLM's ``kv_events_config`` with the ZMQ publisher on this endpoint
+    (None: KV events off, vLLM's default)."""
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     """``KVTransferConfig.engine_id``: one per engine, the same in the scheduler
     and every rank (vLLM copies one config into each)."""
@@ -294,6 +298,11 @@ def make_vllm_config(spec: EngineSpec, rank: int = 0) -> VllmConfig:
             engine_id=spec.engine_id,
         )
     parallel = ParallelConfig(tensor_parallel_size=1)
+    events = None
+    if spec.kv_events_endpoint is not None:
+        events = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec.kv_events_endpoint
+        )
     config = VllmConfig(
         model_config=model,
         cache_config=cache,
@@ -301,6 +310,7 @@ def make_vllm_config(spec: EngineSpec, rank: int = 0) -> VllmConfig:
         device_config=DeviceConfig("cpu"),
         parallel_config=parallel,
         kv_transfer_config=kv,
+        kv_events_config=events,
     )
     # vLLM's CPU platform reports no hybrid-allocator support; the scheduler
     # and the KV plan are platform-independent, so switch it on as a GPU would.

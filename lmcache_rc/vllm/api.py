@@ -55,6 +55,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "Request",
+    "RouterHasher",
     "SchedulerConfig",
     "SchedulerOutput",
     "SingleTypeManager",
@@ -66,6 +67,9 @@ __all__ = [
     "has_boundary_api",
     "has_upstream_api",
     "is_recurrent_group",
+    "kv_cache_spec_kind_name",
+    "kv_event_types",
+    "kv_events_enabled",
     "layer_spec",
     "spec_kind",
     "supports_admission_api",
@@ -868,3 +872,136 @@ class CheckpointEngineTask:
     def __post_init__(self) -> None:
         if self.direction not in ("STORE", "RETRIEVE"):
             raise ValueError(f"invalid task direction {self.direction!r}")
+
+
+# --------------------------------------------------------------------------- KV events
+
+
+@dataclass(eq=False)
+class _StandInBlockStored:
+    """Stand-in for ``vllm.distributed.kv_events.BlockStored`` (same fields)."""
+
+    block_hashes: list[Any]
+    parent_block_hash: Any | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+@dataclass(eq=False)
+class _StandInBlockRemoved:
+    """Stand-in for ``vllm.distributed.kv_events.BlockRemoved`` (same fields)."""
+
+    block_hashes: list[Any]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+def kv_event_types() -> tuple[type, type]:
+    """vLLM's ``BlockStored`` and ``BlockRemoved`` event classes, or
+    stand-ins with the same fields where vLLM is not importable."""
+    try:
+        from vllm.distributed.kv_events import (  # type: ignore[import-not-found, unused-ignore]
+            BlockRemoved,
+            BlockStored,
+        )
+    except ImportError:
+        return _StandInBlockStored, _StandInBlockRemoved
+    return BlockStored, BlockRemoved
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (``kv_events_config`` with
+    ``enable_kv_cache_events``), exactly as vLLM's scheduler decides it."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return config is not None and bool(getattr(config, "enable_kv_cache_events", False))
+
+
+def kv_cache_spec_kind_name(spec: Any) -> str | None:
+    """vLLM's ``get_kv_cache_spec_kind(spec).value`` (``"full_attention"``,
+    ``"mamba"``, ...), or the same decided by :func:`spec_kind` without vLLM."""
+    try:
+        from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found, unused-ignore]
+            get_kv_cache_spec_kind,
+        )
+    except ImportError:
+        kind = spec_kind(spec)
+        return {"attention": "full_attention", "recurrent": "mamba"}.get(kind or "")
+    return str(get_kv_cache_spec_kind(spec).value)
+
+
+class RouterHasher:
+    """vLLM's prefix-cache block hashing, as a router sees it in KV events:
+    a request's block hashes at a group's block size
+    (``resolve_block_hashes``), the event form of a hash
+    (``maybe_convert_block_hash``), the per-block extra keys of events
+    (``generate_block_hash_extra_keys`` then ``to_event_extra_keys``) and
+    ``hash_block_tokens`` for a partial block, with the engine's hash function
+    (``prefix_caching_hash_algo``). Only built where vLLM is installed (KV
+    events exist only there)."""
+
+    def __init__(self, vllm_config: Any, hash_block_size: int) -> None:
+        from vllm.utils.hashing import (  # type: ignore[import-not-found, unused-ignore]
+            get_hash_fn_by_name,
+        )
+
+        self._hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        self.hash_block_size = int(hash_block_size)
+
+    def block_hashes(self, request: Any, block_size: int) -> Sequence[Any]:
+        """``request.block_hashes`` viewed at ``block_size``."""
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+            resolve_block_hashes,
+        )
+
+        return resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)  # type: ignore[no-any-return]
+
+    def extra_keys(self, request: Any, start: int, end: int) -> tuple[Any, ...] | None:
+        """The hash extra keys of tokens ``start:end`` (cache salt on the first block)."""
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+            generate_block_hash_extra_keys,
+        )
+
+        keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+        return keys  # type: ignore[no-any-return]
+
+    @staticmethod
+    def event_extra_keys(keys: tuple[Any, ...] | None) -> Any:
+        """One block's extra keys as events publish them (untagged)."""
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+            to_event_extra_keys,
+        )
+
+        converted = to_event_extra_keys([keys])
+        return None if converted is None else converted[0]
+
+    def partial_hash(
+        self, parent: Any | None, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None
+    ) -> Any:
+        """``hash_block_tokens`` of a block holding only ``tokens`` (fewer than a block)."""
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+            hash_block_tokens,
+        )
+
+        return hash_block_tokens(self._hash_fn, parent, list(tokens), extra_keys)
+
+    @staticmethod
+    def external(block_hash: Any) -> Any:
+        """The hash as events carry it (``maybe_convert_block_hash``)."""
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found, unused-ignore]
+            maybe_convert_block_hash,
+        )
+
+        return maybe_convert_block_hash(block_hash)

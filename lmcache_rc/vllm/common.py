@@ -155,6 +155,10 @@ class SchedulerSide:
         """False: nothing keeps the engine stepping."""
         return False
 
+    def take_events(self) -> list[Any]:
+        """``take_events``: no KV events."""
+        return []
+
     def reset(self) -> bool:
         """``reset_cache``: False, nothing to reset."""
         return False

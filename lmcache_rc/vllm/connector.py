@@ -57,11 +57,13 @@ from lmcache_rc.vllm.api import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
     Request,
+    RouterHasher,
     SchedulerOutput,
     SupportsHMA,
     UpstreamKVCacheManager,
     has_boundary_api,
     has_upstream_api,
+    kv_events_enabled,
     spec_kind,
     worker_rank,
 )
@@ -470,13 +472,27 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         if self._mode != "upstream" or self._disabled or self._scheduler.bound:
             return
         o = self._options
+        kv_config = (
+            self._kv_config if self._kv_config is not None else kv_cache_manager.kv_cache_config
+        )
+        hasher = None
+        if kv_events_enabled(self._vllm_config):
+            hash_block_size = getattr(kv_cache_manager.block_pool, "hash_block_size", None)
+            if hash_block_size is None:
+                hash_block_size = getattr(kv_config, "hash_block_size", None)
+            if hash_block_size is None:
+                raise InvalidConnectorConfig(
+                    "KV events are on but vLLM's block pool names no hash_block_size"
+                )
+            hasher = RouterHasher(self._vllm_config, int(hash_block_size))
         side = UpstreamScheduler(
             self._connect(),
-            self._kv_config if self._kv_config is not None else kv_cache_manager.kv_cache_config,
+            kv_config,
             o,
             identity=checkpoint_identity(self._vllm_config, o),
             world_size=self._world_size,
             clock=self.clock,
+            router_hasher=hasher,
         )
         side.bind_block_pool(kv_cache_manager.block_pool)
         self._scheduler = side
@@ -589,9 +605,13 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         """True while layouts are negotiated or stores/copies are outstanding."""
         return self._scheduler.has_pending_work()
 
+    @_serialized
     def take_events(self) -> Iterable[Any]:
-        """No KV events."""
-        return ()
+        """vLLM (scheduler, every step): KV events for routers — the complete
+        checkpoints this engine stored or restored that became restorable or
+        stopped being (``docs/vllm.md`` §A.9). Only with vLLM's
+        ``kv_events_config`` enabled; otherwise none, at no cost."""
+        return self._scheduler.take_events()
 
     def get_kv_connector_stats(self) -> Any | None:
         """No vLLM stats object (see :meth:`report_status`)."""

@@ -316,6 +316,25 @@ OPTIONS: tuple[Option, ...] = (
         zero="off",
         boundary="upstream mode only",
     ),
+    Option(
+        "kv_events_poll_interval",
+        "seconds",
+        0.1,
+        "with vLLM's KV events on (`kv_events_config`): how often, at most, an engine that "
+        "is stepping asks the sidecar's change feed what stopped being restorable (§A.9); "
+        "without KV events nothing is polled",
+        boundary="upstream mode only",
+    ),
+    Option(
+        "kv_events_max_checkpoints",
+        "integer",
+        65536,
+        "with KV events on: checkpoints an engine remembers announcing to routers; beyond "
+        "it the oldest is withdrawn (a router then under-estimates, never over-estimates)",
+        low=1,
+        high=1 << 24,
+        boundary="upstream mode only",
+    ),
 )
 """Every option of the connector, in the order the docs list them: name,
 kind (and so parser and type), default and meaning. The one written source:
@@ -372,6 +391,8 @@ class ConnectorOptions:
     layout_timeout: float = _default("layout_timeout")
     close_timeout: float = _default("close_timeout")
     idle_flush: float = _default("idle_flush")
+    kv_events_poll_interval: float = _default("kv_events_poll_interval")
+    kv_events_max_checkpoints: int = _default("kv_events_max_checkpoints")
 
 
 def option_table(mode: str) -> str:

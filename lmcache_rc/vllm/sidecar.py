@@ -54,6 +54,10 @@ class SidecarClient(Protocol):
         """Start an ABORT of a pending generation."""
         ...
 
+    def changes_async(self, since: int, watch: list[str]) -> SidecarFuture:
+        """Start a ``changes`` call (the change feed; KV events only)."""
+        ...
+
     def close(self) -> None:
         """Close the connection."""
         ...
@@ -140,6 +144,12 @@ class NonBlockingSidecar:
             self._aborts.append(generation)
             return None
         return self._client.abort_async(generation)
+
+    def changes_async(self, since: int, watch: list[str]) -> SidecarFuture:
+        """The change feed, or ``Unavailable`` at once while disconnected."""
+        if not self._live():
+            raise self._down("change feed")
+        return self._client.changes_async(since, watch)
 
     def close(self) -> None:
         """Closes the client."""

@@ -48,7 +48,9 @@ from lmcache_rc.vllm.api import (
     KVCacheBlocks,
     KVCacheConfig,
     Request,
+    RouterHasher,
     SchedulerOutput,
+    kv_cache_spec_kind_name,
     spec_kind,
 )
 from lmcache_rc.vllm.common import (
@@ -61,6 +63,7 @@ from lmcache_rc.vllm.common import (
     handles,
     recurrent_boundaries,
 )
+from lmcache_rc.vllm.events import CheckpointKeys, GroupView, RouterEvents, checkpoint_keys
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
@@ -121,6 +124,8 @@ class _Task(CopyTask):
     ready_step: int = 0
     """The step whose forward writes the task's bytes (0: written already); a
     hand-over to local ranks waits until every rank finished that forward."""
+    keys: CheckpointKeys | None = None
+    """The checkpoint as routers see it (only with KV events on)."""
 
     def engine_task(self) -> CheckpointEngineTask:
         return CheckpointEngineTask(
@@ -151,6 +156,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         identity: Mapping[str, Any],
         world_size: int,
         clock: Callable[[], float] = time.monotonic,
+        router_hasher: RouterHasher | None = None,
     ) -> None:
         super().__init__(
             client,
@@ -187,6 +193,27 @@ class UpstreamScheduler(TaskBook[_Task]):
         self._off_thread = False
         """True during a hand-over: vLLM's block pool must not be touched."""
         self._deferred_unpins: list[int] = []
+        # KV events for routers (docs/vllm.md §A.9): only when vLLM publishes them.
+        self._hasher = router_hasher
+        self._events: RouterEvents | None = None
+        self._views: tuple[GroupView, ...] = ()
+        if router_hasher is not None:
+            self._views = tuple(
+                GroupView(
+                    info.index,
+                    info.kind,
+                    info.block_size,
+                    kv_cache_spec_kind_name(g.kv_cache_spec),
+                )
+                for info, g in zip(self._groups, kv_cache_config.kv_cache_groups, strict=True)
+            )
+            self._events = RouterEvents(
+                self._client,
+                interval=options.kv_events_poll_interval,
+                max_checkpoints=options.kv_events_max_checkpoints,
+                clock=clock,
+                poll_timeout=max(1.0, min(options.rpc_timeout, 10.0)),
+            )
 
     # ------------------------------------------------------------------ properties
 
@@ -197,8 +224,34 @@ class UpstreamScheduler(TaskBook[_Task]):
 
     @property
     def counters(self) -> dict[str, int]:
-        """Cumulative counters (restored/recomputed tokens, stores, failures)."""
-        return dict(self._counters)
+        """Cumulative counters (restored/recomputed tokens, stores, failures;
+        with KV events, ``kv_events_*``)."""
+        out = dict(self._counters)
+        if self._events is not None:
+            out.update(self._events.counters)
+        return out
+
+    @property
+    def router_events(self) -> RouterEvents | None:
+        """The KV events this engine publishes for routers (None: KV events off)."""
+        return self._events
+
+    def _router_keys(self, request: Request, num_tokens: int) -> CheckpointKeys | None:
+        """The checkpoint's router view (KV events on), or None."""
+        if self._hasher is None:
+            return None
+        try:
+            return checkpoint_keys(request, num_tokens, self._views, self._hasher)
+        except Exception as e:  # never fail a store or restore over an event
+            logger.warning("KV event keys of %s not built: %s", request.request_id, e)
+            self._counters["kv_events_keys_failed"] += 1
+            return None
+
+    def take_events(self) -> list[Any]:
+        """``take_events``: the router events of this step (KV events on)."""
+        if self._events is None or self._closed:
+            return []
+        return self._events.step()
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """vLLM's block pool: store sources are pinned in it."""
@@ -363,6 +416,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             request_id=request.request_id,
             kind="restore",
             error=error,
+            keys=self._router_keys(request, n),
         )
         self._tasks[task.task_id] = task
         restore.phase = RestorePhase.RESTORING
@@ -416,6 +470,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             kind=kind,
             pins=pins,
             ready_step=self._step if kind == "prompt" else 0,
+            keys=self._router_keys(request, num_tokens),
         )
         try:
             future = self._client.begin_async(manifest)
@@ -532,6 +587,12 @@ class UpstreamScheduler(TaskBook[_Task]):
     def _release_store(self, task: _Task) -> None:
         self._unpin(task)
 
+    def _drop_store(self, task: _Task, counter: str) -> None:
+        if counter == "store_suppressed" and self._events is not None:
+            # an identical checkpoint is listed (or pending): routers may learn it
+            self._events.learned(task.manifest.generation, task.keys)
+        super()._drop_store(task, counter)
+
     def _unpin(self, task: _Task) -> None:
         if task.pins and self._pool is not None:
             if self._off_thread:  # vLLM's pool belongs to the scheduler thread
@@ -617,6 +678,8 @@ class UpstreamScheduler(TaskBook[_Task]):
 
     def _complete(self, task: _Task) -> None:
         ok = all(task.results.values())
+        if ok and self._events is not None:
+            self._events.learned(task.manifest.generation, task.keys)
         if task.direction == "STORE":
             if ok:
                 self._counters[f"stores_committed_{task.kind}"] += 1
@@ -647,19 +710,39 @@ class UpstreamScheduler(TaskBook[_Task]):
         for rid, restore in list(self._restores.items()):
             if restore.phase is not RestorePhase.RESTORING:
                 del self._restores[rid]
+        if self._events is not None:
+            self._events.reset()
+            # what is still in flight belongs to the old epoch: never announced
+            for task in self._tasks.values():
+                task.keys = None
+            for pb in self._begins:
+                pb.task.keys = None
         return super().reset()
+
+    def has_pending_work(self) -> bool:
+        """``has_pending_push_work``: stores and copies outstanding, or (KV
+        events on) a change-feed answer an announcement waits for."""
+        if super().has_pending_work():
+            return True
+        return self._events is not None and not self._closed and self._events.busy()
 
     # ------------------------------------------------------------------ status
 
     def report_status(self) -> dict[str, Any]:
         """A snapshot for humans and tests."""
-        return {
+        status = {
             "mode": "upstream",
             **self._status(self._restores.values()),
             "requests": len(self._requests),
             "pinned_blocks": sum(len(t.pins) for t in self._tasks.values())
             + sum(len(pb.task.pins) for pb in self._begins),
+            "kv_events": None if self._events is None else self._events.status(),
         }
+        if self._events is not None:
+            status["counters"] = dict(
+                sorted({**status["counters"], **self._events.counters}.items())
+            )
+        return status
 
     def html(self) -> str:
         """:meth:`report_status` as an HTML table."""

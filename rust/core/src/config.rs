@@ -460,6 +460,7 @@ impl SidecarConfig {
                 }),
                 None => None,
             },
+            change_feed_capacity: ServiceConfig::default().change_feed_capacity,
             index_vfs: None,
         })
     }

@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::protocol::{
-    Capabilities, ClearReport, GenerationInfo, Lease, Pending, ServiceStatus, Slot,
+    Capabilities, ChangeBatch, ClearReport, GenerationInfo, Lease, Pending, ServiceStatus, Slot,
 };
 use lmcache_rc_core::{Error, ErrorKind, Manifest, Prefix, Result};
 use pyo3::prelude::*;
@@ -98,6 +98,12 @@ impl ToPython for ClearReport {
     }
 }
 
+impl ToPython for ChangeBatch {
+    fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        plain(py, &self)
+    }
+}
+
 impl ToPython for Vec<GenerationInfo> {
     fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         plain(py, &self)
@@ -167,7 +173,20 @@ macro_rules! plain_py_arg {
         }
     )*};
 }
-plain_py_arg!(bool, u32, Option<u32>);
+plain_py_arg!(bool, u32, u64, Option<u32>);
+
+/// Generation ids: any list of strings, or None for none.
+impl PyArg for fn(&[String]) {
+    type Param<'py> = Option<Vec<String>>;
+    type Held<'py> = Vec<String>;
+    type Arg<'a> = &'a [String];
+    fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
+        Ok(param.unwrap_or_default())
+    }
+    fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
+        held
+    }
+}
 
 impl PyArg for fn(&str) {
     type Param<'py> = String;

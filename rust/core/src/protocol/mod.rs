@@ -44,7 +44,8 @@ pub use crate::for_each_operation;
 pub use pending::{Pending, Waitable};
 pub use pool::PoolSource;
 pub use types::{
-    Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, MissReason, ServiceStatus, Slot,
+    CHANGE_KINDS, Capabilities, Change, ChangeBatch, ClearReport, GenerationInfo, Lease,
+    LeaseStatus, MissReason, ServiceStatus, Slot, TIERS,
 };
 
 /// Slot/layout format version announced in capabilities.
@@ -52,6 +53,12 @@ pub const FORMAT_VERSION: u32 = 1;
 /// RPC protocol version announced in capabilities and spoken on the wire
 /// (3: the status carries the server's facts, [`ServiceStatus::info`]).
 pub const PROTOCOL_VERSION: u32 = 3;
+
+/// Most changes one `changes` reply carries (`more` says when others wait).
+pub const MAX_CHANGES: usize = 4096;
+
+/// Most generations one `changes` call may watch.
+pub const MAX_WATCH: usize = 4096;
 
 /// What `clear` does when its caller omits `force`: forced, as in the
 /// reference implementation (a forced clear is still refused with
@@ -193,6 +200,17 @@ macro_rules! for_each_operation {
                 /// A namespace outside 1..256 characters is refused (`InvalidInput`).
                 13 InvalidateNamespace fn invalidate_namespace / invalidate_namespace_async
                     (namespace: &str) -> u64; py (namespace)
+            }
+            {
+                /// The change feed: what became restorable, moved tier or stopped being
+                /// restorable since sequence number `since` (a bounded ring; at most
+                /// [`MAX_CHANGES`](crate::protocol::MAX_CHANGES) per reply), and the
+                /// current tier of each generation in `watch` (at most
+                /// [`MAX_WATCH`](crate::protocol::MAX_WATCH); more is `InvalidInput`), as
+                /// of the same instant. `since = u64::MAX` starts at the end (no changes,
+                /// `truncated`). See `docs/design/change-feed.md`.
+                14 Changes fn changes / changes_async (since: u64, watch: &[String])
+                    -> $crate::protocol::ChangeBatch; py (since, watch = None)
             }
         }
     };

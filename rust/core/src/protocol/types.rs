@@ -232,6 +232,57 @@ pub struct GenerationInfo {
     pub access_order: i64,
 }
 
+/// One entry of the change feed (`changes`): a generation became
+/// restorable here (`listed`), its copy reached a more durable tier
+/// (`tier`), or it stopped being restorable (`unlisted`: evicted from every
+/// tier, invalidated, cleared, replaced or lost). Kinds and tiers are names,
+/// not enums, so a newer server's values decode (see
+/// `docs/design/change-feed.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Change {
+    /// Its sequence number: consecutive, starting at 0 for each service epoch.
+    pub seq: u64,
+    /// The generation id.
+    pub generation: String,
+    /// `listed`, `tier` or `unlisted` ([`CHANGE_KINDS`]).
+    pub kind: String,
+    /// For `listed` and `tier`: the most durable tier a complete copy
+    /// reached, `l1`, `l2` or `shared` ([`TIERS`]); None for `unlisted`.
+    pub tier: Option<String>,
+}
+
+/// The kinds of [`Change`], in no particular order.
+pub const CHANGE_KINDS: &[&str] = &["listed", "tier", "unlisted"];
+
+/// The tiers a [`Change`] names, least durable first: `l1` (the RAM pool
+/// only), `l2` (every page durable on this host's disk), `shared` (every
+/// page in the shared tier).
+pub const TIERS: &[&str] = &["l1", "l2", "shared"];
+
+/// What `changes` answers: the feed since a sequence number, and the
+/// current state of the generations the caller asked about, both as of
+/// the same instant (one lock).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangeBatch {
+    /// The service's epoch: random, drawn when the service opened. Another
+    /// epoch than before means the sidecar restarted (sequence numbers
+    /// start over and changes in between are unknown).
+    pub epoch: String,
+    /// The sequence number to ask from next time.
+    pub next_seq: u64,
+    /// Changes the caller asked for were dropped from the bounded ring (or
+    /// its `since` is not a position of this epoch): resynchronise with
+    /// `watch`.
+    pub truncated: bool,
+    /// More changes wait past `next_seq` (the reply is capped): ask again.
+    pub more: bool,
+    /// The changes from `since` (or from the oldest kept) up to `next_seq`.
+    pub changes: Vec<Change>,
+    /// One entry per watched generation, in order: its tier when listed
+    /// now, None when not.
+    pub watched: Vec<Option<String>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::protocol::{
-    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, ServiceStatus,
+    Capabilities, ChangeBatch, Checkpoints, ClearReport, GenerationInfo, Lease, ServiceStatus,
 };
 
 /// First bytes of both handshake frames.
@@ -154,7 +154,22 @@ macro_rules! plain_wire_arg {
         }
     )*};
 }
-plain_wire_arg!(bool, u32, Option<u32>);
+plain_wire_arg!(bool, u32, u64, Option<u32>);
+
+impl WireArg for fn(&[String]) {
+    type Arg<'a> = &'a [String];
+    type Wire = Vec<String>;
+    type Held = Vec<String>;
+    fn to_wire(arg: &[String]) -> Vec<String> {
+        arg.to_vec()
+    }
+    fn decode(wire: Vec<String>) -> Result<Vec<String>> {
+        Ok(wire)
+    }
+    fn arg(held: &Vec<String>) -> &[String] {
+        held
+    }
+}
 
 impl WireArg for fn(&str) {
     type Arg<'a> = &'a str;
@@ -235,6 +250,7 @@ reply_value! {
     ClearReport => Clear,
     Vec<GenerationInfo> => Generations,
     u64 => Count,
+    ChangeBatch => Changes,
 }
 
 impl ReplyValue for () {
@@ -344,6 +360,8 @@ pub enum Value {
     Generations(Vec<GenerationInfo>),
     /// 8 — invalidate_namespace.
     Count(u64),
+    /// 9 — changes.
+    Changes(ChangeBatch),
 }
 
 impl Value {
@@ -359,6 +377,7 @@ impl Value {
             Value::Clear(_) => "Clear",
             Value::Generations(_) => "Generations",
             Value::Count(_) => "Count",
+            Value::Changes(_) => "Changes",
         }
     }
 

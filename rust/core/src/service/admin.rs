@@ -11,7 +11,8 @@ use super::state::{L1, L2};
 use crate::error::{Error, Result};
 use crate::identity::validate_namespace;
 use crate::protocol::{
-    Capabilities, ClearReport, FORMAT_VERSION, GenerationInfo, PROTOCOL_VERSION, ServiceStatus,
+    Capabilities, ChangeBatch, ClearReport, FORMAT_VERSION, GenerationInfo, MAX_WATCH,
+    PROTOCOL_VERSION, ServiceStatus,
 };
 use crate::store::ObjectKey;
 
@@ -205,6 +206,24 @@ pub(super) fn invalidate_namespace(inner: &Arc<Inner>, namespace: &str) -> Resul
     }
     st.count(Counter::InvalidatedGenerations, retired);
     Ok(retired)
+}
+
+/// The change feed since `since`, and the current tier of each watched
+/// generation, under one lock (`docs/design/change-feed.md`).
+pub(super) fn changes(inner: &Arc<Inner>, since: u64, watch: &[String]) -> Result<ChangeBatch> {
+    if watch.len() > MAX_WATCH {
+        return Err(Error::invalid(format!(
+            "changes: {} watched generations, at most {MAX_WATCH} per call",
+            watch.len()
+        )));
+    }
+    let st = inner.lock();
+    let mut batch = st.feed.read(since);
+    batch.watched = watch
+        .iter()
+        .map(|g| st.tier_of(g).map(|t| t.as_str().to_string()))
+        .collect();
+    Ok(batch)
 }
 
 /// Every listed generation, ordered by id (pages through the directory).

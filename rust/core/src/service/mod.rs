@@ -14,7 +14,9 @@
 //! - `tiers`: the state lock, whose release performs the queued side
 //!   effects (L2 writes, deletes and loads, directory retirements and
 //!   durable flags), and the L2 I/O jobs;
-//! - `admin`: capabilities, status, clear, list, close;
+//! - `admin`: capabilities, status, clear, list, the change feed's reads, close;
+//! - `feed`: the change feed (a bounded ring of listings, tiers reached and
+//!   unlistings, written under the state lock);
 //! - `reclaim`: who holds each lease (a process, or nobody watchable), the
 //!   reclaim of a gone process's leases, and the sweep that also aborts
 //!   abandoned pending generations;
@@ -38,6 +40,7 @@
 
 mod admin;
 mod counters;
+mod feed;
 mod open;
 mod reclaim;
 mod retrieve;
@@ -70,8 +73,8 @@ pub use types::{ServiceConfig, SharedSettings};
 
 // The protocol's values, also reachable here (they were born in this module).
 pub use crate::protocol::{
-    Capabilities, ClearReport, FORMAT_VERSION, GenerationInfo, Lease, LeaseStatus, MissReason,
-    PROTOCOL_VERSION, ServiceStatus, Slot,
+    Capabilities, ChangeBatch, ClearReport, FORMAT_VERSION, GenerationInfo, Lease, LeaseStatus,
+    MissReason, PROTOCOL_VERSION, ServiceStatus, Slot,
 };
 
 /// Everything the service owns, shared with its I/O jobs.
@@ -238,6 +241,9 @@ impl Checkpoints for CheckpointService {
     }
     fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
         admin::list_generations(&self.inner)
+    }
+    fn changes(&self, since: u64, watch: &[String]) -> Result<ChangeBatch> {
+        admin::changes(&self.inner, since, watch)
     }
 }
 

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::counters::Counter;
+use super::feed::Feed;
 use super::state::{Obj, State};
 use super::tiers::StateLock;
 use super::upkeep::Upkeep;
@@ -95,13 +96,21 @@ impl CheckpointService {
             ));
         }
         let pool = ShmPool::create(config.l1_bytes)?;
+        let feed_capacity = config.change_feed_capacity;
         let inner = Arc::new(Inner {
             config,
             pool,
             dir,
             l2,
             io: parking_lot::Mutex::new(io),
-            state: StateLock::new(State::new(alloc, crate::private::random_bytes()?)),
+            state: StateLock::new(State::new(
+                alloc,
+                crate::private::random_bytes()?,
+                Feed::new(
+                    hex::encode(crate::private::random_bytes::<16>()?),
+                    feed_capacity,
+                ),
+            )),
             upkeep: Upkeep::default(),
             deferred_retire: parking_lot::Mutex::new(Vec::new()),
             #[cfg(feature = "shared-tier")]

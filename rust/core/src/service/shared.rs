@@ -452,6 +452,9 @@ fn upload(inner: &Arc<Inner>, side: &SharedSide, job: Job) {
         for (key, _) in &keys {
             st.maybe_reclaim(key);
         }
+        if result.is_ok() {
+            st.set_tier(&job.generation, super::feed::Tier::Shared);
+        }
     }
     match result {
         Ok(report) => log::debug!(

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::counters::{Counter, Counters};
+use super::feed::{Feed, Kind, Tier};
 use super::reclaim::Holder;
 use crate::protocol::MissReason;
 use crate::store::ObjectKey;
@@ -238,6 +239,8 @@ pub struct ListedGen {
     pub keys: Vec<ObjectKey>,
     /// How many of them are not yet durable in L2.
     pub not_durable: usize,
+    /// The most durable tier its complete copy reached (the change feed's).
+    pub tier: Tier,
 }
 
 /// A page to fetch from the shared tier into its `Loading` slot.
@@ -300,10 +303,12 @@ pub struct State {
     /// Generations to upload to the shared tier, drained by the caller
     /// (published ones when there is no L2; with L2 the durable ones go).
     pub to_upload: Vec<Arc<str>>,
+    /// The change feed: every listing, tier reached and unlisting, in order.
+    pub feed: Feed,
 }
 
 impl State {
-    pub fn new(alloc: SlotAllocator, lease_secret: [u8; 32]) -> State {
+    pub fn new(alloc: SlotAllocator, lease_secret: [u8; 32], feed: Feed) -> State {
         State {
             objects: HashMap::new(),
             lru: BTreeMap::new(),
@@ -329,6 +334,7 @@ impl State {
             loads: Vec::new(),
             fetches: Vec::new(),
             to_upload: Vec::new(),
+            feed,
         }
     }
 
@@ -577,7 +583,47 @@ impl State {
         if not_durable == 0 && !keys.is_empty() {
             self.newly_durable.push(name.clone());
         }
-        self.listed.insert(name, ListedGen { keys, not_durable });
+        let shared = !keys.is_empty()
+            && keys
+                .iter()
+                .all(|k| self.objects.get(k).is_some_and(|o| o.remote.is_some()));
+        let tier = if shared {
+            Tier::Shared
+        } else if not_durable == 0 && !keys.is_empty() {
+            Tier::L2
+        } else {
+            Tier::L1
+        };
+        self.feed.record(&name, Kind::Listed(tier));
+        self.listed.insert(
+            name,
+            ListedGen {
+                keys,
+                not_durable,
+                tier,
+            },
+        );
+    }
+
+    /// A listed generation's complete copy reached `tier`: recorded in the
+    /// change feed when it is more durable than the one it had.
+    pub fn set_tier(&mut self, generation: &str, tier: Tier) {
+        let Some((name, info)) = self.listed.get_key_value(generation) else {
+            return;
+        };
+        if tier <= info.tier {
+            return;
+        }
+        let name = name.clone();
+        if let Some(info) = self.listed.get_mut(generation) {
+            info.tier = tier;
+        }
+        self.feed.record(&name, Kind::Tier(tier));
+    }
+
+    /// The tier of a listed generation (None: not listed).
+    pub fn tier_of(&self, generation: &str) -> Option<Tier> {
+        self.listed.get(generation).map(|g| g.tier)
     }
 
     /// Drops a listed generation's references; reclaims what becomes unreferenced.
@@ -585,6 +631,7 @@ impl State {
         let Some((name, gen_info)) = self.listed.remove_entry(generation) else {
             return false;
         };
+        self.feed.record(&name, Kind::Unlisted);
         for key in &gen_info.keys {
             if let Some(obj) = self.objects.get_mut(key) {
                 obj.refs = obj.refs.saturating_sub(1);
@@ -642,6 +689,7 @@ impl State {
                 info.not_durable = info.not_durable.saturating_sub(1);
                 if info.not_durable == 0 {
                     self.newly_durable.push(g.clone());
+                    self.set_tier(&g, Tier::L2);
                 }
             }
         }

@@ -35,6 +35,9 @@ pub struct ServiceConfig {
     /// The shared tier across hosts; `None` = none (see
     /// `docs/design/shared-tier.md`).
     pub shared: Option<SharedSettings>,
+    /// Entries the change feed keeps (`changes`); older ones are dropped
+    /// and a reader that missed them is told (`truncated`).
+    pub change_feed_capacity: usize,
     /// Test hook: the SQLite VFS the directory's connections open the index
     /// through (see `DirectoryConfig::vfs`); `None` = the default.
     #[doc(hidden)]
@@ -90,6 +93,7 @@ impl Default for ServiceConfig {
             abandoned_after: Some(Duration::from_secs(600)),
             l2_io_threads: 2,
             shared: None,
+            change_feed_capacity: 65_536,
             index_vfs: None,
         }
     }
