@@ -33,6 +33,7 @@ mod service_capacity;
 mod service_clear;
 mod service_common;
 mod service_crash;
+mod service_eviction;
 mod service_faults;
 mod service_invalidate_namespace;
 mod service_lease_rules;

@@ -1,17 +1,19 @@
 //! Capacity: store admission waits within its bound for L1 space and then
 //! misses with reason "capacity", never evicting a leased page (I4); a
 //! restore from L2 that finds no RAM misses without delisting the intact
-//! generation.
+//! generation. Every scenario runs under both eviction policies (`lru`,
+//! `cost`): the policy orders victims, never makes a held page one.
 
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::cost::Eviction;
 use lmcache_rc_core::protocol::MissReason;
 use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 
 use crate::service_common::*;
 
-both_ways!(
+every_policy!(
     store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages,
     a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed,
     a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity,
@@ -42,8 +44,10 @@ fn small(base: u32) -> Manifest {
 
 fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages<
     T: Target,
->() {
-    let svc = T::open(config("cap-full", None)).unwrap();
+>(
+    eviction: Eviction,
+) {
+    let svc = T::open(with_eviction(config("cap-full", None), eviction)).unwrap();
     let filler = pool_filler(40_000);
     store_all(&svc, &filler);
     let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
@@ -82,13 +86,15 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     svc.close().unwrap();
 }
 
-fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>() {
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         store_admission_timeout: HANG_GUARD,
         ..config("cap-wait", Some(dir.path()))
     };
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     let filler = pool_filler(42_000);
     store_all(&svc, &filler);
     settle(&svc);
@@ -121,13 +127,15 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Targe
     svc.close().unwrap();
 }
 
-fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>() {
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         retrieve_timeout: Duration::from_millis(300),
         ..config("cap-restore", Some(dir.path()))
     };
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     let on_disk = small(44_000);
     store_all(&svc, &on_disk);
     settle(&svc);
@@ -149,7 +157,9 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: 
     svc.close().unwrap();
 }
 
-fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>() {
+fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(46_000, 48), "prompt", 2);
@@ -161,7 +171,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
         checkpoint_index_path: Some(dir.path().join("index.sqlite")),
         ..config("cap-l2", Some(&l2))
     };
-    let svc = T::open(cfg.clone()).unwrap();
+    let svc = T::open(with_eviction(cfg.clone(), eviction)).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert_eq!(l2_files(&l2), expected_l2([&a]));
@@ -181,13 +191,15 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     assert_idle(&svc);
     svc.close().unwrap();
     drop(svc);
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     restore_all(&svc, &b);
     assert_idle(&svc);
     svc.close().unwrap();
 }
 
-fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>() {
+fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(48_000, 48), "prompt", 2);
@@ -196,7 +208,7 @@ fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>
         l2_bytes: Some(one_generation / 2),
         ..config("cap-l2-small", Some(&l2))
     };
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert!(is_listed(&svc, &a), "published from RAM");

@@ -95,13 +95,14 @@ impl CheckpointService {
             ));
         }
         let pool = ShmPool::create(config.l1_bytes)?;
+        let eviction = config.eviction;
         let inner = Arc::new(Inner {
             config,
             pool,
             dir,
             l2,
             io: parking_lot::Mutex::new(io),
-            state: StateLock::new(State::new(alloc, crate::private::random_bytes()?)),
+            state: StateLock::new(State::new(alloc, crate::private::random_bytes()?, eviction)),
             upkeep: Upkeep::default(),
             deferred_retire: parking_lot::Mutex::new(Vec::new()),
             #[cfg(feature = "shared-tier")]
@@ -283,6 +284,7 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
             st.list_generation(
                 manifest.generation(),
                 keys.into_iter().map(|(k, _)| k).collect(),
+                manifest.prefix().num_tokens(),
             );
             // Every object of a listed generation is on disk now; one whose
             // flag was never committed (a crash between the last object's

@@ -11,6 +11,7 @@ use super::counters::Counter;
 use super::reclaim::Holder;
 use super::state::{Fetch, L1, L2, RetrieveLease, State};
 use super::store::check_rank;
+use crate::cost::Eviction;
 use crate::error::{Error, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
@@ -78,6 +79,7 @@ pub(super) fn begin_retrieve(
             holder: holder.clone(),
         },
     );
+    st.touch_generation(manifest.generation());
     advance_retrieve(&mut st, lease_no);
     settle(inner, &mut st, lease_no, &lease_id)
 }
@@ -287,6 +289,7 @@ pub(super) fn finish_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u
     for key in &lease.keys {
         st.touch(key);
     }
+    st.touch_generation(&lease.generation);
     release_readers(&mut st, &lease);
     Ok(())
 }
@@ -352,7 +355,7 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
     if lease.failed.is_some() {
         return;
     }
-    let pending: Vec<(usize, ObjectKey)> = lease
+    let mut pending: Vec<(usize, ObjectKey)> = lease
         .held
         .iter()
         .enumerate()
@@ -360,6 +363,27 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
         .map(|(i, _)| (i, lease.keys[i]))
         .collect();
     let generation = lease.generation.clone();
+    let own: std::collections::HashSet<ObjectKey> = match st.eviction {
+        Eviction::Lru => Default::default(),
+        Eviction::Cost => lease.keys.iter().copied().collect(),
+    };
+    if st.eviction == Eviction::Cost {
+        // Readers on the resident pages first, so that room for the loads
+        // is never made from this restore's own pages; then room for every
+        // load at once (one ranking instead of one per page).
+        let resident =
+            |st: &State, key: &ObjectKey| st.objects.get(key).is_some_and(|o| o.l1 != L1::Absent);
+        pending.sort_by_key(|(i, key)| (!resident(st, key), *i));
+        let need: u64 = pending
+            .iter()
+            .filter_map(|(_, key)| st.objects.get(key))
+            .filter(|o| o.l1 == L1::Absent && (o.l2 == L2::Durable || o.remote.is_some()))
+            .map(|o| st.alloc.reserved_for(o.page_bytes).unwrap_or(u64::MAX))
+            .fold(0u64, u64::saturating_add);
+        if need > 0 {
+            st.make_room(need, true, &own);
+        }
+    }
     for (i, key) in pending {
         let state = st
             .objects

@@ -35,6 +35,9 @@ pub struct ServiceConfig {
     /// The shared tier across hosts; `None` = none (see
     /// `docs/design/shared-tier.md`).
     pub shared: Option<SharedSettings>,
+    /// How L1 pages and L2 objects are chosen for eviction (`lru` or
+    /// `cost`: see [`crate::cost`]).
+    pub eviction: crate::cost::Eviction,
     /// Test hook: the SQLite VFS the directory's connections open the index
     /// through (see `DirectoryConfig::vfs`); `None` = the default.
     #[doc(hidden)]
@@ -90,6 +93,7 @@ impl Default for ServiceConfig {
             abandoned_after: Some(Duration::from_secs(600)),
             l2_io_threads: 2,
             shared: None,
+            eviction: crate::cost::Eviction::Lru,
             index_vfs: None,
         }
     }
