@@ -52,8 +52,11 @@ __all__ = [
     "checkpoint_namespace",
     "default_l1_bytes",
     "default_socket_path",
+    "eviction_policies",
     "human_size",
+    "model_shapes",
     "parse_duration",
+    "prefill_flops",
     "shared_gc",
     "shared_min_gc_age",
 ]
