@@ -16,8 +16,10 @@ sidecar would:
    connector stores when a request finishes): ``begin``, ``prepare_store``,
    copy in, ``finish_store``;
 4. wait for the L2 queue to drain, so the next request sees every write done
-   (a replay is deterministic: the same trace, sizes and policy give the
-   same figures).
+   (so a replay barely depends on time: the same trace, sizes and policy
+   give the same figures to within about 1 %; what still varies is the
+   order in which pages loading from L2 become ready, which orders their
+   recency).
 
 It reports per policy the requests that restored something (hit rate), the
 tokens restored, the prefill compute they saved (``prefill_flops`` of the
@@ -61,7 +63,6 @@ import os
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,6 +109,9 @@ either tier and the sizes of both compare."""
 
 PAGE_TOKENS = 64
 """Tokens of KV cache one page holds (the scale is chosen to make it so)."""
+
+NAMESPACE = "lmcache-rc-trace"
+"""The namespace of a replay's checkpoints."""
 
 VOCAB = 1 << 17
 """Token ids the generators draw from (``1..VOCAB-1``)."""
@@ -753,7 +757,10 @@ def replay(
         server = rc.Server.start(config)
         try:
             with rc.Client(server.socket_path) as client:
-                r = _Replayer(client, pages, f"lmcache-rc-trace-{uuid.uuid4().hex}")
+                # One namespace for every replay (each has a sidecar of its
+                # own): object keys, and so the order of ties, are the same
+                # at every run.
+                r = _Replayer(client, pages, NAMESPACE)
                 last = time.monotonic()
                 for k, req in enumerate(trace.requests):
                     _one(r, req, result, pages.shape)
