@@ -28,4 +28,7 @@ run_example transfer_bench "transfer engine (Rust, cpu backend) vs memcpy"
 run_example transfer_breakdown "transfer engine: time per phase of a job (lease RPCs, checks, copy, finish) vs memcpy and an RPC round trip" 256
 echo "== transfer engine (lmcache-rc bench, cpu backend): store + restore through the sidecar vs memcpy"
 python ci/bench_transfer.py
+echo "== eviction policies (lmcache-rc trace replay): compute saved by cost-aware eviction vs lru on short synthetic traces (docs/trace.md)"
+python -m lmcache_rc trace replay agentic --sessions 12 --sizes 8M:32M
+python -m lmcache_rc trace replay chat --sessions 100 --sizes 1M:4M
 run_example shared_bench "shared tier (S3, s3s-fs on loopback): upload / verified download vs raw PUT/GET, cross-host lookup" $quick

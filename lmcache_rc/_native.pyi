@@ -53,8 +53,11 @@ __all__ = [
     "checkpoint_namespace",
     "default_l1_bytes",
     "default_socket_path",
+    "eviction_policies",
     "human_size",
+    "model_shapes",
     "parse_duration",
+    "prefill_flops",
     "shared_gc",
     "shared_min_gc_age",
 ]
@@ -77,6 +80,9 @@ def shared_gc(url: str, older_than: float) -> dict[str, object]: ...
 def shared_min_gc_age() -> float: ...
 def human_size(bytes: int) -> str: ...
 def parse_duration(text: str) -> float: ...
+def model_shapes() -> list[dict[str, Any]]: ...
+def prefill_flops(tokens: int, shape: str | None = None) -> float: ...
+def eviction_policies() -> list[str]: ...
 
 _Path: TypeAlias = str | os.PathLike[str]
 
@@ -94,6 +100,7 @@ class ServerConfig:
     http_port: int
     http_max_connections: int
     http_idle_timeout: float
+    eviction: str
     max_entries: int
     max_pending: int
     max_pending_bytes: int
@@ -122,6 +129,7 @@ class ServerConfig:
         http_port: int = ...,
         http_max_connections: int = ...,
         http_idle_timeout: float | str = ...,
+        eviction: str = ...,
         max_entries: int = ...,
         max_pending: int = ...,
         max_pending_bytes: int = ...,

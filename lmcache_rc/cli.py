@@ -19,6 +19,12 @@ Sub-commands:
   byte (see :mod:`lmcache_rc.demo`).
 - ``bench``: the transfer engine's store/restore throughput against memcpy
   (see :mod:`lmcache_rc.bench`).
+- ``trace generate chat|agentic [--seed N] [--sessions N] [-o FILE]``: write a
+  synthetic multi-turn trace (JSON lines); ``trace replay FILE|chat|agentic
+  [--policy lru|cost|both] [--l1 SIZE --l2 SIZE | --sizes L1:L2,...]``: replay
+  it against embedded sidecars and compare eviction policies by tokens
+  restored, prefill compute saved and bytes written (see
+  :mod:`lmcache_rc.trace`).
 - ``shared gc --shared-url URL --older-than DURATION [--json]``: remove old
   manifests from the shared tier, then the pages no remaining manifest names
   (see :mod:`lmcache_rc.shared`).
@@ -393,6 +399,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.mib, args.page_kib, args.rounds, args.json, args.socket)
 
 
+def _cmd_trace_generate(args: argparse.Namespace) -> int:
+    from lmcache_rc import trace
+
+    if args.sessions is not None and args.sessions < 1:
+        raise ValueError("--sessions must be at least 1")
+    return trace.main_generate(args.name, args.seed, args.sessions, args.output)
+
+
+def _cmd_trace_replay(args: argparse.Namespace) -> int:
+    from lmcache_rc import trace
+
+    if args.sizes is not None:
+        if args.l1 is not None or args.l2 is not None:
+            raise ValueError("give --sizes or --l1/--l2, not both")
+        sizes = trace.parse_sizes(args.sizes)
+    else:
+        sizes = [(args.l1 or "16M", args.l2 or "64M")]
+    if args.sessions is not None and args.sessions < 1:
+        raise ValueError("--sessions must be at least 1")
+    return trace.main_replay(
+        args.source, args.policy, sizes, args.shape, args.seed, args.sessions, args.json
+    )
+
+
 def _cmd_shared_gc(args: argparse.Namespace) -> int:
     from lmcache_rc import shared
 
@@ -516,6 +546,51 @@ def build_parser() -> argparse.ArgumentParser:
         "when the sidecar's pool has less free space than --mib",
     )
     bench.set_defaults(func=_cmd_bench)
+
+    trace_p = sub.add_parser(
+        "trace", help="generate multi-turn traces and replay them to compare eviction policies"
+    )
+    trace_sub = trace_p.add_subparsers(dest="trace_command", required=True)
+    gen = trace_sub.add_parser(
+        "generate", help="write a synthetic trace (JSON lines, docs/trace.md) to stdout or a file"
+    )
+    gen.add_argument("name", choices=("chat", "agentic"), help="the workload")
+    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    gen.add_argument("--sessions", type=int, help="sessions (default: chat 300, agentic 60)")
+    gen.add_argument("-o", "--output", metavar="FILE", help="write to FILE (default: stdout)")
+    gen.set_defaults(func=_cmd_trace_generate)
+    rep_p = trace_sub.add_parser(
+        "replay",
+        help="replay a trace against embedded sidecars: tokens restored, compute saved, "
+        "bytes written, per eviction policy",
+    )
+    rep_p.add_argument(
+        "source", help="a trace file (JSON lines, docs/trace.md), or chat / agentic to generate one"
+    )
+    rep_p.add_argument(
+        "--policy",
+        choices=("lru", "cost", "both"),
+        default="both",
+        help="eviction policy of the sidecar (default both: one replay each)",
+    )
+    rep_p.add_argument("--l1", metavar="SIZE", help="L1 (shared memory) size (default 16M)")
+    rep_p.add_argument("--l2", metavar="SIZE", help="L2 (file tier) size (default 64M)")
+    rep_p.add_argument(
+        "--sizes",
+        metavar="L1:L2,...",
+        help="several cache sizes, e.g. 8M:32M,16M:64M (instead of --l1/--l2)",
+    )
+    rep_p.add_argument(
+        "--shape",
+        help="model shape of the cost model and the page sizes (default qwen3-next-80b-a3b; "
+        "also nemotron-h-8b)",
+    )
+    rep_p.add_argument("--seed", type=int, default=0, help="seed of a generated trace (default 0)")
+    rep_p.add_argument(
+        "--sessions", type=int, help="sessions of a generated trace (default: the generator's)"
+    )
+    rep_p.add_argument("--json", action="store_true", help="print one JSON object")
+    rep_p.set_defaults(func=_cmd_trace_replay)
 
     shared = sub.add_parser("shared", help="maintain the shared tier (an object store)")
     shared_sub = shared.add_subparsers(dest="shared_command", required=True)

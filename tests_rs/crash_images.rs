@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::cost::Eviction;
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 
@@ -307,10 +308,16 @@ const SUBDIRS: [&str; 2] = ["idx", "disk"];
 
 /// The paths of one run: the recorded root holds the index in `idx/` and the
 /// L2 tier at `disk/l2` (created by the service: its creation is recorded).
-fn service_config(root: &Path, l2_bytes: Option<u64>, vfs: bool) -> ServiceConfig {
+fn service_config(
+    root: &Path,
+    l2_bytes: Option<u64>,
+    eviction: Eviction,
+    vfs: bool,
+) -> ServiceConfig {
     ServiceConfig {
         checkpoint_index_path: Some(root.join("idx").join("index.sqlite")),
         l2_bytes,
+        eviction,
         retrieve_timeout: HANG_GUARD,
         index_vfs: vfs.then(|| VFS_NAME.to_string()),
         ..config("crash-images", Some(&root.join("disk").join("l2")))
@@ -335,15 +342,17 @@ struct Run {
     log: Vec<Rec>,
     stored: Vec<Manifest>,
     l2_bytes: Option<u64>,
+    eviction: Eviction,
 }
 
 fn record_run(
     scenario: &str,
     base: &Path,
     l2_bytes: Option<u64>,
+    eviction: Eviction,
     body: impl FnOnce(&CheckpointService, &mut dyn FnMut(&CheckpointService) -> Manifest),
 ) -> Run {
-    record_run_with(scenario, base, l2_bytes, |c| c, body)
+    record_run_with(scenario, base, l2_bytes, eviction, |c| c, body)
 }
 
 /// [`record_run`] with the recorded service's settings adjusted by `adjust`
@@ -352,6 +361,7 @@ fn record_run_with(
     scenario: &str,
     base: &Path,
     l2_bytes: Option<u64>,
+    eviction: Eviction,
     adjust: impl FnOnce(ServiceConfig) -> ServiceConfig,
     body: impl FnOnce(&CheckpointService, &mut dyn FnMut(&CheckpointService) -> Manifest),
 ) -> Run {
@@ -370,7 +380,7 @@ fn record_run_with(
     }
     let session = Session::start(&root);
     let svc = CheckpointService::open_with_fs(
-        adjust(service_config(&root, l2_bytes, true)),
+        adjust(service_config(&root, l2_bytes, eviction, true)),
         recording_fs(),
         &mut |_| {},
     )
@@ -392,6 +402,7 @@ fn record_run_with(
         log,
         stored,
         l2_bytes,
+        eviction,
     }
 }
 
@@ -413,7 +424,7 @@ struct Tally {
 /// Restarts a service on the image at `at` and checks it; `durable` are the
 /// generations whose flag was synced before the cut.
 fn check_image(run: &Run, at: &Path, durable: &BTreeSet<String>, what: &str, t: &mut Tally) {
-    let svc = CheckpointService::open(service_config(at, run.l2_bytes, false))
+    let svc = CheckpointService::open(service_config(at, run.l2_bytes, run.eviction, false))
         .unwrap_or_else(|e| panic!("{what}: the restart failed: {e}"));
     let mut listed = Vec::new();
     for m in &run.stored {
@@ -610,7 +621,7 @@ fn is_index(p: &Path) -> bool {
 #[test]
 fn power_cuts_during_publication_and_durable_marking_lose_no_durable_generation() {
     let base = tempfile::tempdir().unwrap();
-    let run = record_run("publish", base.path(), None, |svc, store| {
+    let run = record_run("publish", base.path(), None, Eviction::Lru, |svc, store| {
         for _ in 0..6 {
             store(svc);
             settle(svc);
@@ -622,15 +633,21 @@ fn power_cuts_during_publication_and_durable_marking_lose_no_durable_generation(
 #[test]
 fn power_cuts_during_wal_checkpoints_lose_no_durable_generation() {
     let base = tempfile::tempdir().unwrap();
-    let run = record_run("checkpoint", base.path(), None, |svc, store| {
-        for _ in 0..4 {
-            store(svc);
-            settle(svc);
-            // The background thread checkpoints every 250 ms while commits
-            // arrive.
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    });
+    let run = record_run(
+        "checkpoint",
+        base.path(),
+        None,
+        Eviction::Lru,
+        |svc, store| {
+            for _ in 0..4 {
+                store(svc);
+                settle(svc);
+                // The background thread checkpoints every 250 ms while commits
+                // arrive.
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        },
+    );
     let db_writes = count(
         &run.log,
         |r| matches!(r, Rec::Write(p, _, _) if is_index(p)),
@@ -641,25 +658,42 @@ fn power_cuts_during_wal_checkpoints_lose_no_durable_generation() {
 
 #[test]
 fn power_cuts_during_l2_eviction_lose_no_durable_generation() {
+    power_cuts_during_l2_eviction(Eviction::Lru);
+}
+
+/// The same under `--eviction cost`: another order of victims, the same
+/// durability.
+#[test]
+fn power_cuts_during_cost_aware_l2_eviction_lose_no_durable_generation() {
+    power_cuts_during_l2_eviction(Eviction::Cost);
+}
+
+fn power_cuts_during_l2_eviction(eviction: Eviction) {
     let base = tempfile::tempdir().unwrap();
     // Room for about three generations' objects: later stores evict.
     let one = charged_l2([&gen_manifest("evict", 0)], base.path()).1;
-    let run = record_run("evict", base.path(), Some(one * 3), |svc, store| {
-        let mut before: Vec<Manifest> = Vec::new();
-        for _ in 0..7 {
-            let marker = mark_release();
-            let m = store(svc);
-            settle(svc);
-            let gone: Vec<String> = before
-                .iter()
-                .filter(|old| !is_listed(svc, old))
-                .map(|old| old.generation().to_owned())
-                .collect();
-            before.retain(|old| !gone.iter().any(|g| g == old.generation()));
-            fill_release(marker, gone);
-            before.push(m);
-        }
-    });
+    let run = record_run(
+        "evict",
+        base.path(),
+        Some(one * 3),
+        eviction,
+        |svc, store| {
+            let mut before: Vec<Manifest> = Vec::new();
+            for _ in 0..7 {
+                let marker = mark_release();
+                let m = store(svc);
+                settle(svc);
+                let gone: Vec<String> = before
+                    .iter()
+                    .filter(|old| !is_listed(svc, old))
+                    .map(|old| old.generation().to_owned())
+                    .collect();
+                before.retain(|old| !gone.iter().any(|g| g == old.generation()));
+                fill_release(marker, gone);
+                before.push(m);
+            }
+        },
+    );
     let unlinks = count(
         &run.log,
         |r| matches!(r, Rec::Unlink(p) if p.to_string_lossy().ends_with(".page")),
@@ -671,7 +705,7 @@ fn power_cuts_during_l2_eviction_lose_no_durable_generation() {
 #[test]
 fn power_cuts_around_clear_lose_no_durable_generation() {
     let base = tempfile::tempdir().unwrap();
-    let run = record_run("clear", base.path(), None, |svc, store| {
+    let run = record_run("clear", base.path(), None, Eviction::Lru, |svc, store| {
         for _ in 0..3 {
             store(svc);
             settle(svc);
@@ -744,6 +778,7 @@ fn power_cuts_during_shared_tier_imports_lose_no_durable_generation() {
         scenario,
         base.path(),
         None,
+        Eviction::Lru,
         |c| ServiceConfig {
             shared: Some(shared()),
             ..c

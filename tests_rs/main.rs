@@ -34,6 +34,7 @@ mod service_changes;
 mod service_clear;
 mod service_common;
 mod service_crash;
+mod service_eviction;
 mod service_faults;
 mod service_invalidate_namespace;
 mod service_lease_rules;

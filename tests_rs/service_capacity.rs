@@ -1,20 +1,22 @@
 //! Capacity: store admission waits within its bound for L1 space and then
 //! misses with reason "capacity", never evicting a leased page (I4); a
 //! restore from L2 that finds no RAM misses without delisting the intact
-//! generation.
+//! generation. Every scenario runs under both eviction policies (`lru`,
+//! `cost`): the policy orders victims, never makes a held page one.
 
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
+use lmcache_rc_core::cost::Eviction;
 use lmcache_rc_core::protocol::MissReason;
 use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
 use crate::service_common::*;
 
-both_ways!(
+every_policy!(
     store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages,
     a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed,
     a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity,
@@ -47,8 +49,10 @@ fn small(base: u32) -> Manifest {
 
 fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evicting_leased_pages<
     T: Target,
->() {
-    let svc = T::open(config("cap-full", None)).unwrap();
+>(
+    eviction: Eviction,
+) {
+    let svc = T::open(with_eviction(config("cap-full", None), eviction)).unwrap();
     let filler = pool_filler(40_000);
     store_all(&svc, &filler);
     let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
@@ -87,13 +91,15 @@ fn store_admission_waits_within_its_bound_then_misses_for_capacity_without_evict
     svc.close().unwrap();
 }
 
-fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>() {
+fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         store_admission_timeout: HANG_GUARD,
         ..config("cap-wait", Some(dir.path()))
     };
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     let filler = pool_filler(42_000);
     store_all(&svc, &filler);
     settle(&svc);
@@ -126,13 +132,15 @@ fn store_admission_succeeds_once_a_lease_releases_space_during_its_wait<T: Targe
     svc.close().unwrap();
 }
 
-fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>() {
+fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = ServiceConfig {
         retrieve_timeout: Duration::from_millis(300),
         ..config("cap-restore", Some(dir.path()))
     };
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     let on_disk = small(44_000);
     store_all(&svc, &on_disk);
     settle(&svc);
@@ -154,7 +162,9 @@ fn a_restore_that_finds_no_ram_misses_and_keeps_the_intact_generation_listed<T: 
     svc.close().unwrap();
 }
 
-fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>() {
+fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacity<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(46_000, 48), "prompt", 2);
@@ -166,7 +176,7 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
         checkpoint_index_path: Some(dir.path().join("index.sqlite")),
         ..config("cap-l2", Some(&l2))
     };
-    let svc = T::open(cfg.clone()).unwrap();
+    let svc = T::open(with_eviction(cfg.clone(), eviction)).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert_eq!(l2_files(&l2), expected_l2([&a]));
@@ -186,13 +196,15 @@ fn a_full_l2_evicts_the_least_recently_used_generation_and_never_exceeds_capacit
     assert_idle(&svc);
     svc.close().unwrap();
     drop(svc);
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     restore_all(&svc, &b);
     assert_idle(&svc);
     svc.close().unwrap();
 }
 
-fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>() {
+fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let a = standard(NS, &seq(48_000, 48), "prompt", 2);
@@ -201,7 +213,7 @@ fn a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable<T: Target>
         l2_bytes: Some(one_generation / 2),
         ..config("cap-l2-small", Some(&l2))
     };
-    let svc = T::open(cfg).unwrap();
+    let svc = T::open(with_eviction(cfg, eviction)).unwrap();
     store_all(&svc, &a);
     settle(&svc);
     assert!(is_listed(&svc, &a), "published from RAM");
@@ -238,12 +250,14 @@ fn mib_pages(ns: &str, tokens: &[u32]) -> Manifest {
 /// delete ran first, the load found the file absent (`l2_corrupt_or_missing`)
 /// and the restore missed with `lost_object`. The lease now holds its
 /// resident pages before it makes room for the others.
-fn making_room_for_a_restore_never_retires_the_generation_it_restores<T: Target>() {
+fn making_room_for_a_restore_never_retires_the_generation_it_restores<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
     let faulty = FaultyFs::new();
     let svc = T::open_with_fs(
-        config("room-own", Some(&l2)),
+        with_eviction(config("room-own", Some(&l2)), eviction),
         Arc::new(faulty.clone()),
         &mut |_| {},
     )
@@ -302,10 +316,12 @@ fn making_room_for_a_restore_never_retires_the_generation_it_restores<T: Target>
 /// soak an L2 eviction). The next poll finds the page gone: the generation
 /// is no longer listed, so that is a clean `not_listed` miss — what
 /// `begin_retrieve` answers now — not a `lost_object` (nothing was lost).
-fn a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed<T: Target>() {
+fn a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed<T: Target>(
+    eviction: Eviction,
+) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let svc = T::open(config("room-retired", Some(&l2))).unwrap();
+    let svc = T::open(with_eviction(config("room-retired", Some(&l2)), eviction)).unwrap();
     let ns = "recurrent-sha256-v1:room-retired";
     let m = mib_pages(ns, &seq(52_000, 16));
     store_all(&svc, &m);

@@ -36,6 +36,55 @@ macro_rules! both_ways {
 }
 pub(crate) use both_ways;
 
+/// Runs each scenario `fn name<T: Target>(eviction: Eviction)` of the
+/// calling module under both eviction policies, both ways: tests
+/// `name::lru::in_process`, `name::lru::over_the_socket`,
+/// `name::cost::in_process` and `name::cost::over_the_socket`. The
+/// scenario opens its service with `eviction` ([`with_eviction`]).
+macro_rules! every_policy {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            mod lru {
+                #[test]
+                fn in_process() {
+                    super::super::$name::<lmcache_rc_core::service::CheckpointService>(
+                        lmcache_rc_core::cost::Eviction::Lru,
+                    );
+                }
+                #[test]
+                fn over_the_socket() {
+                    super::super::$name::<crate::service_common::Remote>(
+                        lmcache_rc_core::cost::Eviction::Lru,
+                    );
+                }
+            }
+            mod cost {
+                #[test]
+                fn in_process() {
+                    super::super::$name::<lmcache_rc_core::service::CheckpointService>(
+                        lmcache_rc_core::cost::Eviction::Cost,
+                    );
+                }
+                #[test]
+                fn over_the_socket() {
+                    super::super::$name::<crate::service_common::Remote>(
+                        lmcache_rc_core::cost::Eviction::Cost,
+                    );
+                }
+            }
+        }
+    )*};
+}
+pub(crate) use every_policy;
+
+/// `config` with the eviction policy `eviction`.
+pub fn with_eviction(
+    config: ServiceConfig,
+    eviction: lmcache_rc_core::cost::Eviction,
+) -> ServiceConfig {
+    ServiceConfig { eviction, ..config }
+}
+
 /// What a service scenario runs against: the operation set, the pool as
 /// the copying side sees it, and the service behind it for the checks no
 /// client can make (unreferenced objects, the L2 queue, close).

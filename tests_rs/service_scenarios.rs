@@ -1,11 +1,13 @@
 //! The reference scenarios (`docs/design/leases.md#the-standard-test-manifest`) with the standard
 //! manifest (world 4; 128/256/64/96-byte page groups). Each scenario is named
 //! after the rule it checks and runs twice: on the service in process and
-//! over the socket (see `service_common::Target`).
+//! over the socket (see `service_common::Target`); those that evict run
+//! under both eviction policies too (`every_policy!`).
 
 use std::collections::HashSet;
 
 use lmcache_rc_core::ErrorKind;
+use lmcache_rc_core::cost::Eviction;
 use lmcache_rc_core::protocol::{Checkpoints, MissReason};
 use lmcache_rc_core::service::{CheckpointService, LeaseStatus};
 
@@ -21,16 +23,20 @@ both_ways!(
     content_addressed_pages_coalesce_with_an_inflight_writer_that_aborts,
     a_drained_copy_failure_finishes_the_lease_and_an_undrained_one_keeps_it,
     lease_budget_never_recycles_live_copy_buffers,
-    payload_capacity_miss_preserves_a_read_leased_checkpoint,
     nonforced_clear_preserves_a_pending_read_lease_and_a_write_lease,
     nonforced_clear_preserves_an_exposed_read_lease_and_a_write_lease,
     a_failed_rank_prevents_publication_after_other_ranks_complete,
     a_rank_cannot_replace_the_staged_payload_layout,
     a_missing_page_invalidates_the_bundle_and_releases_other_read_locks,
     generation_namespace_and_rank_have_disjoint_payload_keys,
+    filesystem_restore_after_directory_and_storage_restart,
+);
+
+// The scenarios that evict, under both eviction policies.
+every_policy!(
+    payload_capacity_miss_preserves_a_read_leased_checkpoint,
     checkpoint_pages_are_individually_evictable_except_leased_ones,
     sustained_stores_reclaim_capacity_without_losing_a_read,
-    filesystem_restore_after_directory_and_storage_restart,
 );
 
 fn tokens() -> Vec<u32> {
@@ -301,8 +307,8 @@ fn a_failed_commit_releases_uncommitted_reservations_and_the_generation_can_be_s
     svc.close().unwrap();
 }
 
-fn payload_capacity_miss_preserves_a_read_leased_checkpoint<T: Target>() {
-    let svc = T::open(config("sc-oversized", None)).unwrap();
+fn payload_capacity_miss_preserves_a_read_leased_checkpoint<T: Target>(eviction: Eviction) {
+    let svc = T::open(with_eviction(config("sc-oversized", None), eviction)).unwrap();
     let pinned = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &pinned);
     let lease = open_read(&svc, &pinned, 0);
@@ -595,9 +601,9 @@ fn generation_namespace_and_rank_have_disjoint_payload_keys<T: Target>() {
     );
 }
 
-fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>() {
+fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>(eviction: Eviction) {
     let dir = tempfile::tempdir().unwrap();
-    let svc = T::open(config("sc-lru", Some(dir.path()))).unwrap();
+    let svc = T::open(with_eviction(config("sc-lru", Some(dir.path())), eviction)).unwrap();
     let m = standard(NS, &tokens(), "prompt", 2);
     store_all(&svc, &m);
     settle(&svc);
@@ -627,8 +633,8 @@ fn checkpoint_pages_are_individually_evictable_except_leased_ones<T: Target>() {
     svc.close().unwrap();
 }
 
-fn sustained_stores_reclaim_capacity_without_losing_a_read<T: Target>() {
-    let svc = T::open(config("sc-sustained", None)).unwrap();
+fn sustained_stores_reclaim_capacity_without_losing_a_read<T: Target>(eviction: Eviction) {
+    let svc = T::open(with_eviction(config("sc-sustained", None), eviction)).unwrap();
     let groups = vec![GroupSpec::new(
         "target.attention.0",
         128 << 10,

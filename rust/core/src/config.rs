@@ -14,6 +14,7 @@
 use std::path::{Path as FsPath, PathBuf};
 use std::time::Duration;
 
+use crate::cost::Eviction;
 use crate::error::{Error, Result};
 use crate::http;
 use crate::rpc;
@@ -146,6 +147,7 @@ impl FieldSpec {
             "l2_io_threads" => "2",
             "max_pending_bytes" => "256MiB",
             "rpc_max_buffered_bytes" => "1GiB",
+            "eviction" => "cost",
             _ => self.kind.example(),
         }
     }
@@ -314,6 +316,12 @@ sidecar_config! {
     /// How long an HTTP admin connection may take to send a request head,
     /// or stay silent between requests, before it is closed.
     http_idle_timeout: Seconds = http::AdminConfig::DEFAULT_IDLE_TIMEOUT;
+    /// How the tiers choose what to evict when full: `lru` (least recently
+    /// used pages first) or `cost` (the generation that saves the least
+    /// prefill compute per byte it alone holds, blended with recency, first;
+    /// `docs/design/leases.md#eviction`). The directory's `max_entries` bound
+    /// stays least recently used under both.
+    eviction: Text = ServiceConfig::default().eviction.as_str().to_string();
     /// Most published generations listed (least recently used beyond).
     max_entries: Count = ServiceConfig::default().max_entries;
     /// Most generations pending publication at once.
@@ -461,6 +469,7 @@ impl SidecarConfig {
                 None => None,
             },
             change_feed_capacity: ServiceConfig::default().change_feed_capacity,
+            eviction: Eviction::parse(&self.eviction)?,
             index_vfs: None,
         })
     }
@@ -560,6 +569,9 @@ pub fn check_value(field: &FieldSpec, value: Option<&FieldValue>) -> Result<()> 
             bad("must be a positive number of seconds", "0".into())
         }
         ("max_pending_bytes", Some(FieldValue::Unsigned(0))) => bad("must be positive", "0".into()),
+        ("eviction", Some(FieldValue::Text(name))) if Eviction::parse(name).is_err() => {
+            bad("must be lru or cost", format!("{name:?}"))
+        }
         ("rpc_max_buffered_bytes", Some(FieldValue::Unsigned(n)))
             if *n < rpc::wire::DEFAULT_MAX_FRAME as u64 =>
         {

@@ -2,6 +2,7 @@
 //!
 //! Modules own one concern each (see `docs/architecture.md`):
 //! - [`config`]: every setting of a sidecar, declared once;
+//! - [`cost`]: the compute a restored prefix saves (model shapes) and the eviction policies;
 //! - [`http`]: the sidecar's HTTP admin API (status, metrics, clear);
 //! - [`identity`]: namespaces, token roots, prefixes, page keys, generation ids;
 //! - [`manifest`]: manifests and payload page-group validation;
@@ -25,6 +26,7 @@
 mod macros;
 
 pub mod config;
+pub mod cost;
 pub mod error;
 pub mod http;
 pub mod identity;

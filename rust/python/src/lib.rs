@@ -5,6 +5,7 @@
 
 mod config;
 mod convert;
+mod cost;
 mod directory;
 mod errors;
 mod fork;
@@ -43,6 +44,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shared::shared_min_gc_age, m)?)?;
     m.add_function(wrap_pyfunction!(config::human_size, m)?)?;
     m.add_function(wrap_pyfunction!(config::parse_duration_seconds, m)?)?;
+    m.add_function(wrap_pyfunction!(cost::model_shapes, m)?)?;
+    m.add_function(wrap_pyfunction!(cost::prefill_flops, m)?)?;
+    m.add_function(wrap_pyfunction!(cost::eviction_policies, m)?)?;
     m.add_class::<config::PyServerConfig>()?;
     m.add_class::<identity::PyPrefix>()?;
     m.add_class::<identity::PyTokenRoots>()?;

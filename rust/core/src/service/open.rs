@@ -97,6 +97,7 @@ impl CheckpointService {
         }
         let pool = ShmPool::create(config.l1_bytes)?;
         let feed_capacity = config.change_feed_capacity;
+        let eviction = config.eviction;
         let inner = Arc::new(Inner {
             config,
             pool,
@@ -110,6 +111,7 @@ impl CheckpointService {
                     hex::encode(crate::private::random_bytes::<16>()?),
                     feed_capacity,
                 ),
+                eviction,
             )),
             upkeep: Upkeep::default(),
             deferred_retire: parking_lot::Mutex::new(Vec::new()),
@@ -292,6 +294,7 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
             st.list_generation(
                 manifest.generation(),
                 keys.into_iter().map(|(k, _)| k).collect(),
+                manifest.prefix().num_tokens(),
             );
             // Every object of a listed generation is on disk now; one whose
             // flag was never committed (a crash between the last object's

@@ -11,6 +11,7 @@ use super::counters::Counter;
 use super::reclaim::Holder;
 use super::state::{Fetch, L1, L2, RetrieveLease, State};
 use super::store::check_rank;
+use crate::cost::Eviction;
 use crate::error::{Error, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
@@ -78,6 +79,7 @@ pub(super) fn begin_retrieve(
             holder: holder.clone(),
         },
     );
+    st.touch_generation(manifest.generation());
     advance_retrieve(&mut st, lease_no);
     settle(inner, &mut st, lease_no, &lease_id)
 }
@@ -287,6 +289,7 @@ pub(super) fn finish_retrieve(inner: &Arc<Inner>, lease_id: &str, rank: Option<u
     for key in &lease.keys {
         st.touch(key);
     }
+    st.touch_generation(&lease.generation);
     release_readers(&mut st, &lease);
     Ok(())
 }
@@ -343,6 +346,14 @@ pub(super) fn release_readers(st: &mut State, lease: &RetrieveLease) {
     }
 }
 
+/// Every page key of a retrieve lease (none when the lease is gone).
+fn lease_keys(st: &State, lease_no: u64) -> std::collections::HashSet<ObjectKey> {
+    st.retrieve_leases
+        .get(&lease_no)
+        .map(|l| l.keys.iter().copied().collect())
+        .unwrap_or_default()
+}
+
 /// Takes readers on every resident page of a retrieve and queues L2 loads
 /// (or shared-tier fetches) for the rest (performed when the lock is
 /// released).
@@ -388,6 +399,20 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
                 }
             }
             _ => to_place.push(key),
+        }
+    }
+    if st.eviction == Eviction::Cost {
+        // Room for every load at once (one ranking instead of one per
+        // page), never from this restore's own pages.
+        let own: std::collections::HashSet<ObjectKey> = lease_keys(st, lease_no);
+        let need: u64 = to_place
+            .iter()
+            .filter_map(|key| st.objects.get(key))
+            .filter(|o| o.l1 == L1::Absent && (o.l2 == L2::Durable || o.remote.is_some()))
+            .map(|o| st.alloc.reserved_for(o.page_bytes).unwrap_or(u64::MAX))
+            .fold(0u64, u64::saturating_add);
+        if need > 0 {
+            st.make_room(need, true, &own);
         }
     }
     // Pass 2: read through, from L2 when it has the page, else from the

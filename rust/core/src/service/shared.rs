@@ -625,7 +625,11 @@ fn import(inner: &Arc<Inner>, manifest: &Manifest) -> Result<bool> {
             return other.map(|_| false);
         }
     };
-    st.list_generation(generation, keys.iter().map(|(k, _)| *k).collect());
+    st.list_generation(
+        generation,
+        keys.iter().map(|(k, _)| *k).collect(),
+        manifest.prefix().num_tokens(),
+    );
     for (key, _) in &keys {
         st.unpin(key);
     }

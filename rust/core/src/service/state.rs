@@ -12,6 +12,15 @@
 //! this module: they change only through the methods of [`State`], which
 //! also count every release ([`State::releases`]) so that the guard knows
 //! when a store waiting for space should look again.
+//!
+//! Eviction follows the service's policy ([`Eviction`]): `lru` takes the
+//! least recently used pages; `cost` ranks the listed generations by
+//! [`cost::utility`] — recency blended with the compute a generation saves
+//! per byte it alone holds ([`ListedGen::exclusive`], kept up to date as
+//! generations are listed and unlisted) — and takes pages in the order of
+//! the best generation naming each. Both take only what [`State::evict_for`]
+//! and [`State::evict_l2`] may take; the policy decides the order, never
+//! what is safe to drop.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -20,6 +29,7 @@ use std::time::Instant;
 use super::counters::{Counter, Counters};
 use super::feed::{Feed, Kind, Tier};
 use super::reclaim::Holder;
+use crate::cost::{self, Eviction, Range};
 use crate::protocol::MissReason;
 use crate::store::ObjectKey;
 use crate::store::alloc::{Slot as AllocSlot, SlotAllocator};
@@ -188,6 +198,8 @@ pub struct PendingGen {
     /// Bytes its manifest holds in memory (counted in
     /// [`State::pending_bytes`] until it leaves).
     pub bytes: u64,
+    /// Tokens its prefix covers.
+    pub tokens: u64,
 }
 
 /// A live store lease.
@@ -241,6 +253,14 @@ pub struct ListedGen {
     pub not_durable: usize,
     /// The most durable tier its complete copy reached (the change feed's).
     pub tier: Tier,
+    /// Tokens its prefix covers (what a restore of it saves).
+    pub tokens: u64,
+    /// Its recency: the state's tick when it was listed or last restored.
+    pub tick: u64,
+    /// Bytes of the objects no other listed generation names (what
+    /// evicting it alone frees). Kept up to date by
+    /// [`State::list_generation`] and [`State::unlist_generation`].
+    pub exclusive: u64,
 }
 
 /// A page to fetch from the shared tier into its `Loading` slot.
@@ -305,10 +325,17 @@ pub struct State {
     pub to_upload: Vec<Arc<str>>,
     /// The change feed: every listing, tier reached and unlisting, in order.
     pub feed: Feed,
+    /// The eviction policy.
+    pub eviction: Eviction,
 }
 
 impl State {
-    pub fn new(alloc: SlotAllocator, lease_secret: [u8; 32], feed: Feed) -> State {
+    pub fn new(
+        alloc: SlotAllocator,
+        lease_secret: [u8; 32],
+        feed: Feed,
+        eviction: Eviction,
+    ) -> State {
         State {
             objects: HashMap::new(),
             lru: BTreeMap::new(),
@@ -335,6 +362,7 @@ impl State {
             fetches: Vec::new(),
             to_upload: Vec::new(),
             feed,
+            eviction,
         }
     }
 
@@ -567,14 +595,25 @@ impl State {
         true
     }
 
-    /// Registers a newly listed generation: its pins become references.
-    pub fn list_generation(&mut self, generation: &str, keys: Vec<ObjectKey>) {
+    /// Registers a newly listed generation of `tokens` tokens: its pins
+    /// become references; it is the most recently used generation.
+    pub fn list_generation(&mut self, generation: &str, keys: Vec<ObjectKey>, tokens: u64) {
         let name: Arc<str> = Arc::from(generation);
         let mut not_durable = 0;
+        let mut exclusive = 0;
         for key in &keys {
             if let Some(obj) = self.objects.get_mut(key) {
+                if obj.refs == 1 {
+                    // Its one generation shares it from now on.
+                    if let Some(info) = obj.gens.first().and_then(|g| self.listed.get_mut(g)) {
+                        info.exclusive = info.exclusive.saturating_sub(obj.page_bytes);
+                    }
+                }
                 obj.refs += 1;
                 obj.gens.push(name.clone());
+                if obj.refs == 1 {
+                    exclusive += obj.page_bytes;
+                }
                 if obj.l2 != L2::Durable {
                     not_durable += 1;
                 }
@@ -595,14 +634,16 @@ impl State {
             Tier::L1
         };
         self.feed.record(&name, Kind::Listed(tier));
-        self.listed.insert(
-            name,
-            ListedGen {
-                keys,
-                not_durable,
-                tier,
-            },
-        );
+        self.tick += 1;
+        let info = ListedGen {
+            keys,
+            not_durable,
+            tier,
+            tokens,
+            tick: self.tick,
+            exclusive,
+        };
+        self.listed.insert(name, info);
     }
 
     /// A listed generation's complete copy reached `tier`: recorded in the
@@ -626,6 +667,15 @@ impl State {
         self.listed.get(generation).map(|g| g.tier)
     }
 
+    /// Makes a listed generation the most recently used (a restore of it).
+    pub fn touch_generation(&mut self, generation: &str) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(info) = self.listed.get_mut(generation) {
+            info.tick = tick;
+        }
+    }
+
     /// Drops a listed generation's references; reclaims what becomes unreferenced.
     pub fn unlist_generation(&mut self, generation: &str) -> bool {
         let Some((name, gen_info)) = self.listed.remove_entry(generation) else {
@@ -642,6 +692,12 @@ impl State {
                     .position(|g| Arc::ptr_eq(g, &name) || **g == *name)
                 {
                     obj.gens.swap_remove(pos);
+                }
+                if obj.refs == 1 {
+                    // Its one remaining generation holds it alone now.
+                    if let Some(info) = obj.gens.first().and_then(|g| self.listed.get_mut(g)) {
+                        info.exclusive += obj.page_bytes;
+                    }
                 }
             }
         }
@@ -744,7 +800,8 @@ impl State {
             .sum()
     }
 
-    /// Evicts L1 copies (oldest first) until `needed` bytes can be allocated.
+    /// Evicts L1 copies until `needed` bytes can be allocated: oldest first
+    /// (`lru`), or in [`State::cost_order`] (`cost`).
     ///
     /// Takes only idle objects: durable ones lose their L1 copy; unreferenced
     /// ones are deleted; when `retire_ok`, an object whose only copy is L1
@@ -753,38 +810,131 @@ impl State {
         if self.alloc.largest_free() >= needed {
             return true;
         }
-        let candidates: Vec<ObjectKey> = self.lru.values().copied().collect();
+        let candidates: Vec<ObjectKey> = match self.eviction {
+            Eviction::Lru => self.lru.values().copied().collect(),
+            Eviction::Cost => self.cost_order(retire_ok),
+        };
         for key in candidates {
             if self.alloc.largest_free() >= needed {
                 break;
             }
-            let Some(obj) = self.objects.get(&key) else {
-                continue;
-            };
-            if !Self::evictable(obj, retire_ok) {
-                continue;
-            }
-            if obj.refs == 0 {
-                self.maybe_reclaim(&key);
-                self.count(Counter::L1Evictions, 1);
-            } else if obj.l2 == L2::Durable || obj.remote.is_some() {
-                self.drop_l1(&key);
-                self.count(Counter::L1Evictions, 1);
-            } else if retire_ok && obj.l2 == L2::Absent {
-                self.retire_generations_of(&key);
-                self.count(Counter::L1Evictions, 1);
-                self.count(Counter::Evictions, 1);
-            }
+            self.evict_one(&key, retire_ok);
         }
         self.alloc.largest_free() >= needed
     }
 
+    /// Under `cost`, evicts L1 copies ([`State::cost_order`]) until
+    /// `needed` bytes are free in all, sparing the objects in `spare` (the
+    /// caller's own pages): a whole store's or load's pages at once, one
+    /// ranking instead of one per page. Under `lru` nothing (its pages
+    /// evict one by one, through [`State::evict_for`]).
+    pub fn make_room(&mut self, needed: u64, retire_ok: bool, spare: &HashSet<ObjectKey>) {
+        if self.eviction != Eviction::Cost || self.alloc.available() >= needed {
+            return;
+        }
+        for key in self.cost_order(retire_ok) {
+            if self.alloc.available() >= needed {
+                break;
+            }
+            if !spare.contains(&key) {
+                self.evict_one(&key, retire_ok);
+            }
+        }
+    }
+
+    /// Evicts one object's L1 copy if it may go (see [`State::evict_for`]).
+    fn evict_one(&mut self, key: &ObjectKey, retire_ok: bool) {
+        let Some(obj) = self.objects.get(key) else {
+            return;
+        };
+        if !Self::evictable(obj, retire_ok) {
+            return;
+        }
+        if obj.refs == 0 {
+            self.maybe_reclaim(key);
+            self.count(Counter::L1Evictions, 1);
+        } else if obj.l2 == L2::Durable || obj.remote.is_some() {
+            self.drop_l1(key);
+            self.count(Counter::L1Evictions, 1);
+        } else if retire_ok && obj.l2 == L2::Absent {
+            self.retire_generations_of(key);
+            self.count(Counter::L1Evictions, 1);
+            self.count(Counter::Evictions, 1);
+        }
+    }
+
+    /// The utility of every listed generation ([`cost::utility`]: recency
+    /// and compute saved per byte it alone holds, each normalised over the
+    /// listed generations).
+    fn utilities(&self) -> HashMap<&str, f64> {
+        let effs: Vec<(&str, f64, f64)> = self
+            .listed
+            .iter()
+            .map(|(g, info)| {
+                let eff = cost::log_efficiency(info.tokens, info.exclusive);
+                (&**g, info.tick as f64, eff)
+            })
+            .collect();
+        let recencies = Range::of(effs.iter().map(|e| e.1));
+        let efficiencies = Range::of(effs.iter().map(|e| e.2));
+        effs.into_iter()
+            .map(|(g, tick, eff)| (g, cost::utility(tick, eff, &recencies, &efficiencies)))
+            .collect()
+    }
+
+    /// An object's rank under `cost`: the best utility among the
+    /// generations naming it (−∞ when none does), so that a page stays as
+    /// long as its most useful generation.
+    fn object_utility(obj: &Obj, utilities: &HashMap<&str, f64>) -> f64 {
+        obj.gens
+            .iter()
+            .filter_map(|g| utilities.get(&**g).copied())
+            .fold(f64::NEG_INFINITY, f64::max)
+    }
+
+    /// The L1 copies [`State::evict_for`] may take, in the order `cost`
+    /// takes them: unreferenced objects first, then copies whose bytes stay
+    /// in L2 or the shared tier, then the only copies (which retire their
+    /// generations); within each, lowest [`State::object_utility`] first,
+    /// then those fewer generations name (a generation's own pages before
+    /// the ones it shares), least recently used among equals.
+    pub fn cost_order(&self, retire_ok: bool) -> Vec<ObjectKey> {
+        let utilities = self.utilities();
+        let mut ranked: Vec<(u8, f64, u32, u64, ObjectKey)> = self
+            .lru
+            .values()
+            .filter_map(|key| self.objects.get(key).map(|obj| (key, obj)))
+            .filter(|(_, obj)| Self::evictable(obj, retire_ok))
+            .map(|(key, obj)| {
+                let class = if obj.refs == 0 {
+                    0
+                } else if obj.l2 == L2::Durable || obj.remote.is_some() {
+                    1
+                } else {
+                    2
+                };
+                let utility = Self::object_utility(obj, &utilities);
+                (class, utility, obj.refs, obj.tick, *key)
+            })
+            .collect();
+        ranked.sort_by(|a, b| {
+            a.0.cmp(&b.0)
+                .then(a.1.total_cmp(&b.1))
+                .then(a.2.cmp(&b.2))
+                .then(a.3.cmp(&b.3))
+        });
+        ranked.into_iter().map(|r| r.4).collect()
+    }
+
     /// Frees at least `needed` bytes of L2 for the objects in `waiting`:
-    /// idle durable objects go first if they have no RAM copy, then in L1 LRU
-    /// order. A victim's generations are retired with it (their only durable
-    /// copy goes), and whatever becomes unreferenced is deleted from both
-    /// tiers. Returns whether anything was evicted. O(objects), and runs only
-    /// when L2 is full.
+    /// under `lru`, idle durable objects go first if they have no RAM copy,
+    /// then in L1 LRU order; under `cost`, lowest [`State::object_utility`]
+    /// first (unreferenced objects before all), a generation's own pages
+    /// before the ones it shares, then in L1 LRU order. A
+    /// victim's generations are retired with it (their only durable copy
+    /// goes), and whatever becomes unreferenced is deleted from both tiers.
+    /// Returns whether anything was evicted. O(objects), and runs only when
+    /// L2 is full.
     pub fn evict_l2(
         &mut self,
         needed: u64,
@@ -800,7 +950,11 @@ impl State {
             .filter_map(|k| self.objects.get(k))
             .flat_map(|o| o.gens.iter().cloned())
             .collect();
-        let mut victims: Vec<(u64, ObjectKey)> = self
+        let utilities = match self.eviction {
+            Eviction::Lru => HashMap::new(),
+            Eviction::Cost => self.utilities(),
+        };
+        let mut victims: Vec<(f64, u32, u64, ObjectKey)> = self
             .objects
             .iter()
             .filter(|(_, o)| !o.gens.iter().any(|g| protected.contains(g)))
@@ -810,12 +964,23 @@ impl State {
                     && matches!(o.l1, L1::Absent | L1::Ready)
                     && !waiting.contains(k)
             })
-            .map(|(k, o)| (o.tick, *k))
+            .map(|(k, o)| match self.eviction {
+                // Oldest first (a page without an L1 copy has tick 0).
+                Eviction::Lru => (0.0, 0, o.tick, *k),
+                // Least useful first; a generation's own pages before the
+                // ones it shares.
+                Eviction::Cost => (Self::object_utility(o, &utilities), o.refs, o.tick, *k),
+            })
             .collect();
-        victims.sort_unstable();
+        victims.sort_unstable_by(|a, b| {
+            a.0.total_cmp(&b.0)
+                .then(a.1.cmp(&b.1))
+                .then(a.2.cmp(&b.2))
+                .then(a.3.cmp(&b.3))
+        });
         let mut freed = 0;
         let mut any = false;
-        for (_, key) in victims {
+        for (_, _, _, key) in victims {
             if freed >= needed {
                 break;
             }
@@ -844,5 +1009,89 @@ impl State {
             .values()
             .map(|o| u64::from(o.pins) + u64::from(o.readers))
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u8) -> ObjectKey {
+        ObjectKey([n; 32])
+    }
+
+    /// A state over a 64-page pool with `pages` ready, unreferenced objects.
+    fn state(eviction: Eviction, pages: &[u8]) -> State {
+        let mut st = State::new(
+            SlotAllocator::new(64 * 4096).unwrap(),
+            [0; 32],
+            Feed::new("test".into(), 16),
+            eviction,
+        );
+        for &n in pages {
+            let slot = st.alloc.alloc(4096).unwrap();
+            st.insert_writing(key(n), 4096, slot, 1);
+            st.unpin(&key(n));
+            st.set_ready(&key(n));
+        }
+        st
+    }
+
+    #[test]
+    fn exclusive_bytes_follow_listing_and_unlisting() {
+        let mut st = state(Eviction::Cost, &[1, 2, 3, 4]);
+        st.list_generation("a", vec![key(1), key(2)], 128);
+        assert_eq!(st.listed["a"].exclusive, 2 * 4096);
+        // b shares page 2 with a: neither holds it alone.
+        st.list_generation("b", vec![key(2), key(3), key(4)], 192);
+        assert_eq!(st.listed["a"].exclusive, 4096);
+        assert_eq!(st.listed["b"].exclusive, 2 * 4096);
+        // With a gone, b holds page 2 alone again.
+        st.unlist_generation("a");
+        assert_eq!(st.listed["b"].exclusive, 3 * 4096);
+        assert!(
+            !st.objects.contains_key(&key(1)),
+            "a's own page was reclaimed"
+        );
+    }
+
+    #[test]
+    fn cost_takes_the_least_useful_generations_own_pages_first_and_shared_ones_last() {
+        let mut st = state(Eviction::Cost, &[1, 2, 3, 4, 5, 6]);
+        // old: 64 tokens on two pages, one (2) shared with long; long: 4096
+        // tokens; newest: 64 tokens; 6 unreferenced.
+        st.list_generation("old", vec![key(1), key(2)], 64);
+        st.list_generation("long", vec![key(2), key(3), key(4)], 4096);
+        st.list_generation("newest", vec![key(5)], 64);
+        let order = st.cost_order(true);
+        assert_eq!(order[0], key(6), "unreferenced first");
+        let pos = |n: u8| order.iter().position(|k| *k == key(n)).unwrap();
+        assert!(pos(1) < pos(5), "old before the newest of the same worth");
+        assert!(
+            pos(5) < pos(3) && pos(5) < pos(4),
+            "the long one is worth more"
+        );
+        assert!(
+            pos(2) >= pos(3).min(pos(4)),
+            "a shared page ranks as its best generation"
+        );
+        // LRU takes the oldest page first, whatever names it.
+        st.eviction = Eviction::Lru;
+        assert!(st.evict_for(64 * 4096 - 4096, true));
+        assert!(st.listed.is_empty(), "lru emptied the pool");
+    }
+
+    #[test]
+    fn make_room_spares_the_callers_pages_and_never_runs_under_lru() {
+        let mut st = state(Eviction::Lru, &[1, 2]);
+        st.list_generation("a", vec![key(1)], 64);
+        st.list_generation("b", vec![key(2)], 64);
+        let spare: HashSet<ObjectKey> = [key(1)].into_iter().collect();
+        let need = st.alloc.capacity();
+        st.make_room(need, true, &spare);
+        assert_eq!(st.listed.len(), 2, "lru evicts page by page, not here");
+        st.eviction = Eviction::Cost;
+        st.make_room(need, true, &spare);
+        assert!(st.listed.contains_key("a") && !st.listed.contains_key("b"));
     }
 }

@@ -88,6 +88,7 @@ pub(super) fn begin(inner: &Arc<Inner>, manifest: &Manifest) -> Result<bool> {
                     abort_requested: false,
                     epoch,
                     bytes,
+                    tokens: manifest.prefix().num_tokens(),
                 },
             );
         }
@@ -371,7 +372,7 @@ pub(super) fn finish_store(
     };
     if publication.published {
         if let Some(pg) = st.remove_pending(&lease.generation) {
-            st.list_generation(&lease.generation, pg.pinned.clone());
+            st.list_generation(&lease.generation, pg.pinned.clone(), pg.tokens);
             if inner.l2.is_none() {
                 // Without L2 a generation goes to the shared tier (if
                 // any) once published; with L2, once durable.
@@ -430,12 +431,19 @@ fn attempt_store(
     // anything (an oversized store must not retire generations for nothing).
     let mut seen = std::collections::HashSet::new();
     let mut needed: u64 = 0;
+    // Whether the attempt will answer busy (so nothing is evicted for it).
+    let mut busy = false;
     for (keys, &bytes) in groups.iter().zip(page_bytes) {
         for key in keys {
-            let placed = st
-                .objects
-                .get(key)
-                .is_some_and(|o| o.reusable() || matches!(o.l1, L1::Writing(_) | L1::Loading));
+            let obj = st.objects.get(key);
+            // As the loop below decides it.
+            busy |= match obj {
+                Some(o) if o.l1 == L1::Writing(lease) || o.reusable() => false,
+                Some(o) if matches!(o.l1, L1::Writing(_) | L1::Loading) => true,
+                _ => st.deleting.contains_key(key),
+            };
+            let placed =
+                obj.is_some_and(|o| o.reusable() || matches!(o.l1, L1::Writing(_) | L1::Loading));
             if !placed && seen.insert(*key) {
                 let reserved = st.alloc.reserved_for(bytes).unwrap_or(u64::MAX);
                 needed = needed.saturating_add(reserved);
@@ -449,6 +457,13 @@ fn attempt_store(
                 .saturating_add(st.evictable_bytes(true))
     {
         return Attempt::Capacity;
+    }
+    if !busy {
+        // `cost` ranks the candidates once for all the pages, sparing the
+        // pages this store reuses (a no-op under `lru`, which evicts page
+        // by page below).
+        let own: std::collections::HashSet<ObjectKey> = groups.iter().flatten().copied().collect();
+        st.make_room(needed, true, &own);
     }
     let mut outcome = None;
     'groups: for (keys, &bytes) in groups.iter().zip(page_bytes) {

@@ -38,6 +38,9 @@ pub struct ServiceConfig {
     /// Entries the change feed keeps (`changes`); older ones are dropped
     /// and a reader that missed them is told (`truncated`).
     pub change_feed_capacity: usize,
+    /// How L1 pages and L2 objects are chosen for eviction (`lru` or
+    /// `cost`: see [`crate::cost`]).
+    pub eviction: crate::cost::Eviction,
     /// Test hook: the SQLite VFS the directory's connections open the index
     /// through (see `DirectoryConfig::vfs`); `None` = the default.
     #[doc(hidden)]
@@ -94,6 +97,7 @@ impl Default for ServiceConfig {
             l2_io_threads: 2,
             shared: None,
             change_feed_capacity: 65_536,
+            eviction: crate::cost::Eviction::Lru,
             index_vfs: None,
         }
     }
