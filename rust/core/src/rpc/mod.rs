@@ -137,4 +137,7 @@ impl PoolSource for Client {
     fn pool_id(&self) -> Result<String> {
         Client::pool_id(self)
     }
+    fn pool_id_if_async(&self) -> Option<String> {
+        Client::live_pool_id(self)
+    }
 }
