@@ -72,7 +72,9 @@ impl Fake {
     }
 
     fn reply(&self, id: u64, reply: &Reply) {
-        (&self.conn).write_all(&Self::reply_frame(id, reply)).unwrap();
+        (&self.conn)
+            .write_all(&Self::reply_frame(id, reply))
+            .unwrap();
     }
 }
 
@@ -115,9 +117,8 @@ fn a_caller_that_stops_waiting_hands_the_reading_on() {
     std::thread::scope(|s| {
         let client = &fake.client;
         // The first caller reads (nobody else is waiting) until it gives up.
-        let impatient = s.spawn(move || {
-            client.call_with_timeout(abort("a"), Duration::from_millis(300))
-        });
+        let impatient =
+            s.spawn(move || client.call_with_timeout(abort("a"), Duration::from_millis(300)));
         let a = fake.aborts(1);
         std::thread::sleep(Duration::from_millis(50));
         // The second waits behind it, asleep.
@@ -170,12 +171,23 @@ fn a_reply_in_pieces_and_replies_sharing_a_write_are_put_together() {
     }
     let cut = bytes.len() - 3;
     (&fake.conn).write_all(&bytes[..cut]).unwrap();
-    assert_eq!(pending[0].wait(Some(HANG_GUARD)).unwrap(), Value::Count(100));
-    assert_eq!(pending[1].wait(Some(HANG_GUARD)).unwrap(), Value::Count(101));
-    let e = pending[2].wait(Some(Duration::from_millis(100))).unwrap_err();
+    assert_eq!(
+        pending[0].wait(Some(HANG_GUARD)).unwrap(),
+        Value::Count(100)
+    );
+    assert_eq!(
+        pending[1].wait(Some(HANG_GUARD)).unwrap(),
+        Value::Count(101)
+    );
+    let e = pending[2]
+        .wait(Some(Duration::from_millis(100)))
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout, "the last reply is incomplete");
     (&fake.conn).write_all(&bytes[cut..]).unwrap();
-    assert_eq!(pending[2].wait(Some(HANG_GUARD)).unwrap(), Value::Count(102));
+    assert_eq!(
+        pending[2].wait(Some(HANG_GUARD)).unwrap(),
+        Value::Count(102)
+    );
 }
 
 #[test]

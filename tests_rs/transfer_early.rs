@@ -78,7 +78,10 @@ fn a_sidecar_that_fails_between_the_two_halves_fails_the_job_and_keeps_the_engin
     assert_eq!(d.kind, "failed", "{d:?}");
     assert_eq!(d.error, Some(ErrorKind::Unavailable));
     assert_eq!(api.sent_by_submit("prepare_store"), 1);
-    assert!(api.store_finishes().is_empty(), "no lease, nothing to finish");
+    assert!(
+        api.store_finishes().is_empty(),
+        "no lease, nothing to finish"
+    );
     assert!(!worker.engine.is_unsafe());
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(worker.store(&m, 0, 1).kind, "copied");

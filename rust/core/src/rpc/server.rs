@@ -1,15 +1,17 @@
 //! The RPC server: a Unix-socket listener in front of one [`CheckpointService`].
 //!
 //! Threads: one accept thread; one thread per connection (bounded by
-//! [`ServerConfig::max_connections`]) that reads frames and answers fast
-//! requests inline; `prepare_store` (which may wait for L1 space up to the
-//! service's admission timeout) runs on a thread of its own so that a
-//! pipelining client's other requests — e.g. the `finish_store` that frees
-//! the space — are never queued behind it; so does `find` when a shared
-//! tier is configured (it may wait up to the shared lookup timeout). Those
-//! threads (`lmcache-rc-offload`) are kept for [`OFFLOAD_IDLE`] after their
-//! request and take the next one: starting a thread per store cost a
-//! pipelined store lease milliseconds while copies kept the cores busy
+//! [`ServerConfig::max_connections`]) that reads frames and answers
+//! requests inline. A `prepare_store` is answered inline when the pages fit
+//! L1 now ([`CheckpointService::try_prepare_store_for`]: no thread hand-off
+//! on a store lease); one that must wait for evictions (up to the service's
+//! admission timeout) runs on a thread of its own so that a pipelining
+//! client's other requests — e.g. the `finish_store` that frees the space —
+//! are never queued behind it; so does `find` when a shared tier is
+//! configured (it may wait up to the shared lookup timeout). Those threads
+//! (`lmcache-rc-offload`) are kept for [`OFFLOAD_IDLE`] after their request
+//! and take the next one: starting a thread per store cost a pipelined
+//! store lease milliseconds while copies kept the cores busy
 //! (`transfer_breakdown` example). Replies go out under a
 //! per-connection write lock with a write timeout, so a client that stops
 //! reading loses its own connection and never blocks anyone else.
@@ -52,7 +54,9 @@ use crate::peer::Peer;
 use crate::protocol::{Checkpoints, Decorator, Lease, MissReason, ServiceStatus};
 use crate::service::{CheckpointService, Holder, ServiceConfig};
 
-use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, ReplyValue, Request, Value, WireArg};
+use super::wire::{
+    self, CONNECTION_ERROR_ID, FrameError, Reply, ReplyValue, Request, Value, WireArg,
+};
 
 /// How long a new connection may take to send its hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -1086,7 +1090,10 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, r
             }
             Box::new(move |s: &Shared, h: &Holder| {
                 guarded("prepare_store", || {
-                    let served = Served { shared: s, holder: h };
+                    let served = Served {
+                        shared: s,
+                        holder: h,
+                    };
                     Decorator::prepare_store(&served, &manifest, rank).map(ReplyValue::into_value)
                 })
             })

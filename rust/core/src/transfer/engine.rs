@@ -748,7 +748,9 @@ impl Inner {
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 self.transfer(&job, &handle, leased, &mut clock, slot)
             }))
-            .unwrap_or_else(|_| self.turn_unsafe("a transfer thread panicked during a copy".into()));
+            .unwrap_or_else(|_| {
+                self.turn_unsafe("a transfer thread panicked during a copy".into())
+            });
             self.complete(&job, &handle, outcome);
         }
     }
