@@ -496,6 +496,9 @@ pub enum Step {
     Pending,
     /// Forwarded; a `ready` lease in the reply is edited before the engine sees it.
     Edit(Arc<dyn Fn(&mut Lease) + Send + Sync>),
+    /// Forwarded now; the reply is shown only this long after the engine
+    /// starts waiting for it (keep it below the RPC bound).
+    Slow(Duration),
     /// begin_retrieve: forwarded; a `ready` reply (every page was in L1) is
     /// shown as `pending` with its id, as a sidecar still loading pages
     /// would answer, so the engine polls. A cancel of such a lease (the
@@ -523,8 +526,13 @@ pub struct Scripted {
     standing: Mutex<HashMap<&'static str, Step>>,
     hooks: Mutex<HashMap<&'static str, Hook>>,
     log: Mutex<Vec<LeaseCall>>,
+    /// The name of the thread that made each call of `log`.
+    senders: Mutex<Vec<String>>,
     /// Ready retrieve leases shown as pending ([`Step::AsPending`]).
     hidden: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Whether the engine may send a job's first lease call from `submit`
+    /// ([`LeaseApi::early_pool_id`]), as it does through the RPC client.
+    early: AtomicBool,
 }
 
 impl Scripted {
@@ -537,8 +545,16 @@ impl Scripted {
             standing: Mutex::new(HashMap::new()),
             hooks: Mutex::new(HashMap::new()),
             log: Mutex::new(Vec::new()),
+            senders: Mutex::new(Vec::new()),
             hidden: Arc::default(),
+            early: AtomicBool::new(false),
         })
+    }
+
+    /// Lets the engine send small jobs' first lease calls from `submit`
+    /// (what it does through the RPC client), or not (the default).
+    pub fn send_early(&self, on: bool) {
+        self.early.store(on, Ordering::SeqCst);
     }
 
     /// Queues `step` for the next `times` calls of `op` (e.g. "prepare_store").
@@ -574,6 +590,17 @@ impl Scripted {
     /// Every call so far, in order.
     pub fn calls(&self) -> Vec<LeaseCall> {
         self.log.lock().clone()
+    }
+
+    /// Calls of `op` so far made on a thread that is not one of an
+    /// engine's transfer threads (`lmcache_rc_xfer<i>`): sent from `submit`.
+    pub fn sent_by_submit(&self, op: &str) -> usize {
+        let log = self.log.lock();
+        let senders = self.senders.lock();
+        log.iter()
+            .zip(senders.iter())
+            .filter(|(c, t)| c.name() == op && !t.starts_with("lmcache_rc_xfer"))
+            .count()
     }
 
     /// Calls of `op` so far.
@@ -673,6 +700,19 @@ impl ReplyHandle for Delayed {
     }
 }
 
+/// The real reply, shown `after` the wait for it started.
+struct Slowed {
+    inner: Box<dyn ReplyHandle>,
+    after: Duration,
+}
+
+impl ReplyHandle for Slowed {
+    fn wait(&self, timeout: Duration) -> Result<LeaseAnswer> {
+        std::thread::sleep(self.after.min(timeout));
+        self.inner.wait(timeout)
+    }
+}
+
 /// The real reply with a ready lease edited.
 struct Edited {
     inner: Box<dyn ReplyHandle>,
@@ -718,10 +758,24 @@ impl LeaseApi for Scripted {
     fn pool_id(&self) -> Result<String> {
         self.inner.pool_id()
     }
+    fn early_pool_id(&self) -> Option<String> {
+        if self.early.load(Ordering::SeqCst) {
+            self.inner.pool_id().ok()
+        } else {
+            None
+        }
+    }
 
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         let op = call.name();
-        self.log.lock().push(call.clone());
+        {
+            let mut log = self.log.lock();
+            log.push(call.clone());
+            let thread = std::thread::current();
+            self.senders
+                .lock()
+                .push(thread.name().unwrap_or_default().to_string());
+        }
         let hook = self.hooks.lock().remove(op);
         if let Some(h) = hook {
             h();
@@ -754,6 +808,10 @@ impl LeaseApi for Scripted {
             Step::Late(n) => Box::new(Delayed {
                 inner: self.inner.call(call),
                 delays: AtomicU32::new(n),
+            }),
+            Step::Slow(after) => Box::new(Slowed {
+                inner: self.inner.call(call),
+                after,
             }),
             Step::LateFail(n, kind) => given(Err((kind, format!("scripted {op} failure"))), n),
             Step::Fail(kind) => given(Err((kind, format!("scripted {op} failure"))), 0),

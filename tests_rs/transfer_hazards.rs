@@ -350,9 +350,9 @@ fn an_engine_refuses_a_job_whose_rows_an_unfinished_job_writes() {
     let (svc, api) = scripted_service("rev-row-clash");
     let m = tgen(33_000, 40, 1);
     store_all(&svc, &m);
-    // The first retrieve's lookup stays pending: it is unfinished meanwhile
-    // (its pages are in L1, so begin_retrieve would answer ready and the
-    // job could end before the second submit: shown as pending instead).
+    // The first retrieve's lookup stays pending (its begin_retrieve, ready
+    // at once for pages in L1, is shown as pending): it is unfinished
+    // meanwhile.
     api.always("begin_retrieve", Step::AsPending);
     api.always("poll_retrieve", Step::Pending);
     let worker = Worker::scripted(&api, Duration::from_secs(2));

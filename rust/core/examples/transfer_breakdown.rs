@@ -58,6 +58,9 @@ impl LeaseApi for Counting {
     fn pool_id(&self) -> lmcache_rc_core::Result<String> {
         self.client.pool_id()
     }
+    fn early_pool_id(&self) -> Option<String> {
+        self.client.early_pool_id()
+    }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         let phase = match call {
             LeaseCall::PrepareStore { .. }

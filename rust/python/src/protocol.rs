@@ -419,7 +419,8 @@ impl<T: ToPython + Send + 'static> AnyPending for Pending<T> {
 /// The pending result of an `*_async` call (`Future[T]` in the stubs).
 #[pyclass(name = "Future", module = "lmcache_rc._native", frozen)]
 pub struct PyFuture {
-    /// Resolved by the client's reader thread (usable only in this process).
+    /// Resolved by whichever thread reads the connection: a waiter, `done()`,
+    /// or the client's watcher thread (usable only in this process).
     pending: Owned<Box<dyn AnyPending>>,
 }
 

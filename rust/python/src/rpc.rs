@@ -47,7 +47,7 @@ pub struct PyClient {
     socket: String,
 }
 
-/// What a `Client` owns: the connection (its reader thread) and its
+/// What a `Client` owns: the connection (its watcher thread) and its
 /// mapping of the pool.
 struct ClientParts {
     client: Client,

@@ -529,6 +529,7 @@ impl PyTransferEngine {
     #[pyo3(signature = (manifest, rank, direction, block_ids, producer_event = None))]
     fn submit(
         &self,
+        py: Python<'_>,
         manifest: &PyManifest,
         rank: i64,
         direction: &str,
@@ -558,10 +559,10 @@ impl PyTransferEngine {
             block_ids: groups,
             producer_event,
         };
-        Ok(self
-            .engine
-            .get()?
-            .submit(job)
+        let engine = self.engine.get()?;
+        // A small job's first lease call is checked and sent from here: no GIL.
+        Ok(py
+            .detach(|| engine.submit(job))
             .py()?
             .map(|handle| PyTransferFuture {
                 handle: Owned::new("TransferFuture", handle),

@@ -21,4 +21,14 @@ pub trait PoolSource {
     /// The id of the pool leases come from now, without a round trip when
     /// possible (the RPC client reconnects if it must, but makes no call).
     fn pool_id(&self) -> Result<String>;
+    /// The id of the pool leases come from now, when it is known without
+    /// blocking *and* this source's `*_async` calls only send (the
+    /// operation runs elsewhere and answers later): the RPC client with a
+    /// live connection. None otherwise — the default, and the in-process
+    /// service's answer (its calls run in the caller). A transfer engine
+    /// sends a small job's first lease call from `submit` only when this
+    /// names the pool it mapped.
+    fn pool_id_if_async(&self) -> Option<String> {
+        None
+    }
 }

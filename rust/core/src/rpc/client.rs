@@ -2,12 +2,20 @@
 //!
 //! One [`Client`] holds at most one connection. Any number of threads call
 //! it at once: each call gets a fresh request id, registers a reply slot,
-//! writes its frame under the connection's write lock and waits on its slot
-//! (looking at it for a few microseconds before it sleeps, so a prompt reply
-//! costs no second thread wake-up); a reader thread per connection routes
-//! replies to slots by id. Blocking
-//! calls wait at most the configured timeout ([`Error::Timeout`]; the server
-//! may still carry the call out, and its late reply is dropped); the `*_async`
+//! writes its frame under the connection's write lock and waits for its
+//! slot. Replies are read by the callers themselves (leader/follower): a
+//! waiting caller that finds nobody reading the socket becomes the *leader*
+//! and reads replies, handing each to its slot, until its own arrives; then
+//! it passes the reading on to a caller still waiting (a *follower*, asleep
+//! on its slot) and returns. A lone call thus costs one thread wake-up on
+//! each side, as a raw socket ping-pong does, instead of a reader thread's
+//! wake-up and then the caller's. A small watcher thread per connection
+//! notices a server that hangs up while no call is in flight (without
+//! waking for replies) and reads replies nobody waits for (an `*_async`
+//! future never waited on), within [`WATCH_BUSY`]; a future's
+//! [`PendingReply::is_done`] reads what has arrived itself. Blocking calls
+//! wait at most the configured timeout ([`Error::Timeout`]; the server may
+//! still carry the call out, and its late reply is dropped); the `*_async`
 //! calls return a [`Pending`] future instead.
 //!
 //! When the connection is lost (the server stopped or restarted), every call
@@ -21,7 +29,6 @@
 //! (so the id and size describe exactly that pool).
 
 use std::collections::HashMap;
-use std::io::BufReader;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -35,7 +42,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::{Capabilities, Checkpoints, CheckpointsAsync, Pending, Waitable};
 
 use super::wire::{
-    self, CONNECTION_ERROR_ID, FrameError, Reply, ReplyValue, Request, Value, WireArg, WireError,
+    self, CONNECTION_ERROR_ID, FrameError, LEN_BYTES, Reply, ReplyValue, Request, Value, WireArg,
+    WireError,
 };
 
 /// Settings of a [`Client`].
@@ -64,19 +72,25 @@ type SlotResult = std::result::Result<Value, WireError>;
 /// Where one call's reply lands.
 struct Slot {
     result: Mutex<Option<SlotResult>>,
+    /// Wakes the slot's waiter when the reply is in, or when it is to read
+    /// for the others (the leader left). Waited on, and signalled, with the
+    /// connection's `calls` lock held.
     ready: Condvar,
-    /// Set (after `result`) once the reply or the failure is in: what a
-    /// waiter spinning before it sleeps reads without the lock.
+    /// Set (after `result`) once the reply or the failure is in: read
+    /// without a lock.
     done: AtomicBool,
 }
 
-/// How long a waiter checks its slot before it sleeps on the condition
-/// variable. A reply usually arrives within a round trip (microseconds);
-/// seeing it while still running saves the waiter a second wake-up (the
-/// reader thread's is the first), which on a virtual machine with idle
-/// CPUs costs tens of microseconds. The check yields the CPU between looks,
-/// so the reader and the server run meanwhile.
-const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(30);
+/// How often the watcher thread looks for replies nobody reads while calls
+/// are in flight (an `*_async` future no one waits on); waiting callers
+/// read their replies themselves, at once.
+pub const WATCH_BUSY: Duration = Duration::from_millis(20);
+/// How often it looks while no call is in flight (a hang-up wakes it at once).
+const WATCH_IDLE: Duration = Duration::from_millis(500);
+/// Bytes the reply buffer grows by (and keeps between replies).
+const READ_CHUNK: usize = 64 << 10;
+/// The reply buffer is released once empty when it grew beyond this.
+const KEEP_READ_BUFFER: usize = 1 << 20;
 
 impl Slot {
     fn new() -> Arc<Slot> {
@@ -86,6 +100,8 @@ impl Slot {
             done: AtomicBool::new(false),
         })
     }
+    /// Stores the result (the first one wins) and wakes the waiter. Called
+    /// with the connection's `calls` lock held, or before anyone can wait.
     fn complete(&self, result: SlotResult) {
         let mut r = self.result.lock();
         if r.is_none() {
@@ -94,19 +110,8 @@ impl Slot {
         self.done.store(true, Ordering::Release);
         self.ready.notify_all();
     }
-    /// Waits until the reply is in, at most `SPIN_BEFORE_SLEEP` and never
-    /// past `deadline`, without sleeping.
-    fn spin(&self, deadline: Option<Instant>) {
-        let start = Instant::now();
-        let until = deadline.map_or(start + SPIN_BEFORE_SLEEP, |d| {
-            d.min(start + SPIN_BEFORE_SLEEP)
-        });
-        while !self.done.load(Ordering::Acquire) && Instant::now() < until {
-            for _ in 0..64 {
-                std::hint::spin_loop();
-            }
-            std::thread::yield_now();
-        }
+    fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
     }
 }
 
@@ -121,38 +126,345 @@ struct Calls {
     /// Set once the connection is unusable; later calls fail with it.
     dead: Option<WireError>,
     slots: HashMap<u64, Arc<Slot>>,
+    /// A thread is reading replies (the leader).
+    leader: bool,
+    /// Slots whose waiter sleeps until its reply is in (or it is to lead).
+    followers: Vec<Arc<Slot>>,
+}
+
+/// The bytes read and not yet handed to slots; only the leader touches it.
+struct Inbox {
+    buf: Vec<u8>,
+    /// Where the first unrouted frame starts in `buf`.
+    start: usize,
+}
+
+/// How long a leader reads.
+enum Until<'a> {
+    /// Until this slot is done, or the deadline passes.
+    Done(&'a Slot, Option<Instant>),
+    /// Until nothing more is readable now (never sleeps).
+    Drained,
 }
 
 /// One connection to the server.
 struct Conn {
     writer: Mutex<UnixStream>,
+    /// The same socket, read by the leader and watched by the watcher.
+    reader: UnixStream,
+    inbox: Mutex<Inbox>,
     calls: Mutex<Calls>,
+    /// `calls.dead.is_some()`, readable without the lock.
+    is_dead: AtomicBool,
     /// The server's pool, received with the welcome.
     pool: OwnedFd,
     /// Its id, named by the welcome.
     pool_id: String,
+    max_frame: usize,
+    /// The socket path, for messages.
+    path: String,
 }
 
 impl Conn {
     fn alive(&self) -> bool {
-        self.calls.lock().dead.is_none()
+        !self.is_dead.load(Ordering::Acquire)
     }
     /// Marks the connection dead and fails every call in flight.
     fn fail_all(&self, error: WireError) {
-        let slots: Vec<Arc<Slot>> = {
+        {
             let mut calls = self.calls.lock();
             if calls.dead.is_none() {
                 calls.dead = Some(error.clone());
             }
-            calls.slots.drain().map(|(_, s)| s).collect()
-        };
-        for slot in slots {
-            slot.complete(Err(error.clone()));
+            self.is_dead.store(true, Ordering::Release);
+            for (_, slot) in calls.slots.drain() {
+                slot.complete(Err(error.clone()));
+            }
         }
+        // Wakes a leader asleep in poll and the watcher.
         let _ = self.writer.lock().shutdown(std::net::Shutdown::Both);
     }
     fn forget(&self, id: u64) {
         self.calls.lock().slots.remove(&id);
+    }
+
+    /// Waits until `slot` is done or `deadline` passes, reading replies
+    /// as the leader whenever nobody else does.
+    fn wait_for(&self, slot: &Arc<Slot>, deadline: Option<Instant>) {
+        let mut calls = self.calls.lock();
+        loop {
+            if slot.is_done() {
+                return;
+            }
+            if let Some(dead) = &calls.dead {
+                // Not in flight any more (every slot in flight was failed).
+                slot.complete(Err(dead.clone()));
+                return;
+            }
+            if !calls.leader {
+                calls.leader = true;
+                drop(calls);
+                self.lead(Until::Done(slot, deadline));
+                calls = self.calls.lock();
+                Self::hand_on(&mut calls);
+                if slot.is_done() || deadline.is_some_and(|d| Instant::now() >= d) {
+                    return;
+                }
+                continue;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return;
+            }
+            calls.followers.push(slot.clone());
+            match deadline {
+                None => slot.ready.wait(&mut calls),
+                Some(d) => {
+                    let _ = slot.ready.wait_until(&mut calls, d);
+                }
+            }
+            if let Some(at) = calls.followers.iter().position(|f| Arc::ptr_eq(f, slot)) {
+                calls.followers.swap_remove(at);
+            }
+        }
+    }
+
+    /// Reads what has arrived without waiting, unless someone else reads.
+    fn drain(&self) {
+        {
+            let mut calls = self.calls.lock();
+            if calls.leader || calls.dead.is_some() {
+                return;
+            }
+            calls.leader = true;
+        }
+        self.lead(Until::Drained);
+        Self::hand_on(&mut self.calls.lock());
+    }
+
+    /// The leader stops reading: a follower (if any) takes over.
+    fn hand_on(calls: &mut Calls) {
+        calls.leader = false;
+        if let Some(next) = calls.followers.iter().find(|f| !f.is_done()) {
+            next.ready.notify_one();
+        }
+    }
+
+    /// Reads replies and hands them to their slots, as the one leader.
+    fn lead(&self, until: Until<'_>) {
+        let mut inbox = self.inbox.lock();
+        loop {
+            if let Err(e) = self.route_buffered(&mut inbox) {
+                drop(inbox);
+                self.fail_all(e);
+                return;
+            }
+            if !self.alive() {
+                return;
+            }
+            if let Until::Done(slot, deadline) = until {
+                if slot.is_done() {
+                    return;
+                }
+                if !self.readable(deadline) {
+                    return; // the deadline passed
+                }
+            }
+            if inbox.buf.capacity() - inbox.buf.len() < READ_CHUNK / 4 {
+                inbox.buf.reserve(READ_CHUNK);
+            }
+            let got = rustix::net::recv(
+                &self.reader,
+                rustix::buffer::spare_capacity(&mut inbox.buf),
+                rustix::net::RecvFlags::DONTWAIT,
+            );
+            match got {
+                Ok((0, _)) => {
+                    drop(inbox);
+                    self.fail_all(wire_error(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "the lmcache-rc server at {} closed the connection (it stopped or \
+                             restarted); the call's outcome is unknown",
+                            self.path
+                        ),
+                    ));
+                    return;
+                }
+                Ok(_) => {}
+                Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {
+                    if matches!(until, Until::Drained) {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    drop(inbox);
+                    self.fail_all(wire_error(
+                        ErrorKind::Unavailable,
+                        format!(
+                            "the connection to the lmcache-rc server at {} failed: read failed: \
+                             {e}",
+                            self.path
+                        ),
+                    ));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Sleeps until the socket has something to read (or hung up); false
+    /// once `deadline` passed.
+    fn readable(&self, deadline: Option<Instant>) -> bool {
+        use rustix::event::{PollFd, PollFlags, Timespec, poll};
+        loop {
+            let timeout = match deadline {
+                None => None,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    Some(Timespec {
+                        tv_sec: left.as_secs() as _,
+                        tv_nsec: left.subsec_nanos() as _,
+                    })
+                }
+            };
+            let mut fds = [PollFd::new(&self.reader, PollFlags::IN)];
+            match poll(&mut fds, timeout.as_ref()) {
+                Ok(0) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return false;
+                    }
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                // Readable, hung up, or an error the read will report.
+                _ => return true,
+            }
+        }
+    }
+
+    /// Hands every complete frame in the buffer to its slot; an error is
+    /// the connection's end (an oversize or malformed reply, or the
+    /// server's connection-level error).
+    fn route_buffered(&self, inbox: &mut Inbox) -> std::result::Result<(), WireError> {
+        loop {
+            let avail = &inbox.buf[inbox.start..];
+            if avail.len() < LEN_BYTES {
+                break;
+            }
+            let mut len = [0u8; LEN_BYTES];
+            len.copy_from_slice(&avail[..LEN_BYTES]);
+            let len = u32::from_le_bytes(len) as usize;
+            if len > self.max_frame {
+                let e = FrameError::Oversize {
+                    len,
+                    max: self.max_frame,
+                };
+                return Err(wire_error(
+                    ErrorKind::Protocol,
+                    format!(
+                        "the lmcache-rc server at {} sent an oversize reply: {e}",
+                        self.path
+                    ),
+                ));
+            }
+            if avail.len() < LEN_BYTES + len {
+                let missing = LEN_BYTES + len - avail.len();
+                inbox.buf.reserve(missing.max(READ_CHUNK));
+                break;
+            }
+            self.route(&avail[LEN_BYTES..LEN_BYTES + len])?;
+            inbox.start += LEN_BYTES + len;
+        }
+        if inbox.start == inbox.buf.len() {
+            inbox.start = 0;
+            inbox.buf.clear();
+            if inbox.buf.capacity() > KEEP_READ_BUFFER {
+                inbox.buf = Vec::with_capacity(READ_CHUNK);
+            }
+        } else if inbox.start > 0 {
+            // Part of a frame: move it to the front.
+            inbox.buf.drain(..inbox.start);
+            inbox.start = 0;
+        }
+        Ok(())
+    }
+
+    /// Hands one reply frame to its slot (a reply to a forgotten call is
+    /// dropped).
+    fn route(&self, frame: &[u8]) -> std::result::Result<(), WireError> {
+        let (id, body) = wire::split_id(frame).map_err(|e| WireError::from(&e))?;
+        let reply = wire::decode_reply(body);
+        if id == CONNECTION_ERROR_ID {
+            return Err(match reply {
+                Ok(Reply::Err(e)) => wire_error(
+                    ErrorKind::Protocol,
+                    format!(
+                        "the lmcache-rc server at {} closed the connection: {}",
+                        self.path, e.message
+                    ),
+                ),
+                _ => wire_error(
+                    ErrorKind::Protocol,
+                    format!(
+                        "the lmcache-rc server at {} sent a malformed connection error",
+                        self.path
+                    ),
+                ),
+            });
+        }
+        let result = match reply {
+            Ok(Reply::Ok(v)) => Ok(v),
+            Ok(Reply::Err(e)) => Err(e),
+            Err(e) => Err(WireError::from(&e)),
+        };
+        let calls = &mut *self.calls.lock();
+        if let Some(slot) = calls.slots.remove(&id) {
+            slot.complete(result);
+        }
+        Ok(())
+    }
+}
+
+/// The watcher thread: ends the connection when the server hangs up while
+/// nobody reads, and reads replies nobody waits for (see the module docs).
+/// It never wakes for a reply: it polls for the hang-up alone.
+fn watch(conn: Arc<Conn>) {
+    use rustix::event::{PollFd, PollFlags, Timespec, poll};
+    while conn.alive() {
+        let every = if conn.calls.lock().slots.is_empty() {
+            WATCH_IDLE
+        } else {
+            WATCH_BUSY
+        };
+        let timeout = Timespec {
+            tv_sec: every.as_secs() as _,
+            tv_nsec: every.subsec_nanos() as _,
+        };
+        let mut fds = [PollFd::new(&conn.reader, PollFlags::RDHUP)];
+        let hung = match poll(&mut fds, Some(&timeout)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => false,
+            Ok(_) => true,
+            Err(_) => true,
+        };
+        if !conn.alive() {
+            return;
+        }
+        let lead = {
+            let mut calls = conn.calls.lock();
+            let unread = !calls.slots.is_empty() && calls.followers.is_empty();
+            let lead = !calls.leader && (hung || unread);
+            if lead {
+                calls.leader = true;
+            }
+            lead
+        };
+        if lead {
+            conn.lead(Until::Drained);
+            Conn::hand_on(&mut conn.calls.lock());
+        }
+        if hung && conn.alive() {
+            // Another thread leads and will read the end; let it.
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
@@ -186,9 +498,15 @@ impl PendingReply {
         }
     }
 
-    /// Whether the reply (or the failure) is in.
+    /// Whether the reply (or the failure) is in; reads what has arrived
+    /// when nobody else is reading.
     pub fn is_done(&self) -> bool {
-        self.slot.result.lock().is_some()
+        if !self.slot.is_done() {
+            if let Some(conn) = &self.conn {
+                conn.drain();
+            }
+        }
+        self.slot.is_done()
     }
 
     /// The operation's name.
@@ -201,24 +519,16 @@ impl PendingReply {
     /// [`Error::Timeout`] and leaves the call pending.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<Value> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        self.slot.spin(deadline);
-        let mut r = self.slot.result.lock();
-        loop {
-            if let Some(result) = r.as_ref() {
-                return result.clone().map_err(Error::from);
-            }
-            match deadline {
-                None => self.slot.ready.wait(&mut r),
-                Some(d) => {
-                    if self.slot.ready.wait_until(&mut r, d).timed_out() && r.is_none() {
-                        return Err(Error::Timeout(format!(
-                            "no reply to {} within {:.3} s",
-                            self.what,
-                            timeout.unwrap_or_default().as_secs_f64()
-                        )));
-                    }
-                }
-            }
+        if let Some(conn) = &self.conn {
+            conn.wait_for(&self.slot, deadline);
+        }
+        match self.slot.result.lock().as_ref() {
+            Some(result) => result.clone().map_err(Error::from),
+            None => Err(Error::Timeout(format!(
+                "no reply to {} within {:.3} s",
+                self.what,
+                timeout.unwrap_or_default().as_secs_f64()
+            ))),
         }
     }
 
@@ -360,6 +670,12 @@ impl Client {
         Ok(self.connection()?.pool_id.clone())
     }
 
+    /// The id of the pool of the live connection, without connecting
+    /// (None when no connection is open now).
+    pub fn live_pool_id(&self) -> Option<String> {
+        self.live_connection().map(|c| c.pool_id.clone())
+    }
+
     /// Closes the connection; later calls fail with [`Error::Closed`].
     /// Leases obtained through this client stay live on the server.
     pub fn close(&self) {
@@ -490,20 +806,28 @@ impl Client {
             .map_err(|e| self.unavailable("cannot clone a socket to", e))?;
         let conn = Arc::new(Conn {
             writer: Mutex::new(stream),
+            reader,
+            inbox: Mutex::new(Inbox {
+                buf: Vec::with_capacity(READ_CHUNK),
+                start: 0,
+            }),
             calls: Mutex::new(Calls {
                 dead: None,
                 slots: HashMap::new(),
+                leader: false,
+                followers: Vec::new(),
             }),
+            is_dead: AtomicBool::new(false),
             pool,
             pool_id,
+            max_frame: self.config.max_frame,
+            path: self.path.display().to_string(),
         });
         let for_thread = conn.clone();
-        let max_frame = self.config.max_frame;
-        let path = self.path.display().to_string();
         std::thread::Builder::new()
             .name("lmcache-rc-client".into())
-            .spawn(move || read_replies(for_thread, reader, max_frame, path))
-            .map_err(|e| self.unavailable("cannot start a reader thread for", e))?;
+            .spawn(move || watch(for_thread))
+            .map_err(|e| self.unavailable("cannot start a watcher thread for", e))?;
         Ok(conn)
     }
 
@@ -634,69 +958,4 @@ impl Drop for Client {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-/// The reader thread: routes replies to their slots until the connection
-/// ends, then fails whatever is still in flight.
-fn read_replies(conn: Arc<Conn>, stream: UnixStream, max_frame: usize, path: String) {
-    let mut reader = BufReader::with_capacity(64 << 10, stream);
-    let mut buf = Vec::new();
-    let error = loop {
-        match wire::read_frame(&mut reader, max_frame, &mut buf) {
-            Ok(()) => {}
-            Err(FrameError::Eof) => {
-                break wire_error(
-                    ErrorKind::Unavailable,
-                    format!(
-                        "the lmcache-rc server at {path} closed the connection (it stopped or \
-                         restarted); the call's outcome is unknown"
-                    ),
-                );
-            }
-            Err(e @ FrameError::Oversize { .. }) => {
-                break wire_error(
-                    ErrorKind::Protocol,
-                    format!("the lmcache-rc server at {path} sent an oversize reply: {e}"),
-                );
-            }
-            Err(e) => {
-                break wire_error(
-                    ErrorKind::Unavailable,
-                    format!("the connection to the lmcache-rc server at {path} failed: {e}"),
-                );
-            }
-        }
-        let (id, body) = match wire::split_id(&buf) {
-            Ok(x) => x,
-            Err(e) => break WireError::from(&e),
-        };
-        let reply = wire::decode_reply(body);
-        if id == CONNECTION_ERROR_ID {
-            break match reply {
-                Ok(Reply::Err(e)) => wire_error(
-                    ErrorKind::Protocol,
-                    format!(
-                        "the lmcache-rc server at {path} closed the connection: {}",
-                        e.message
-                    ),
-                ),
-                _ => wire_error(
-                    ErrorKind::Protocol,
-                    format!("the lmcache-rc server at {path} sent a malformed connection error"),
-                ),
-            };
-        }
-        let slot = conn.calls.lock().slots.remove(&id);
-        if let Some(slot) = slot {
-            slot.complete(match reply {
-                Ok(Reply::Ok(v)) => Ok(v),
-                Ok(Reply::Err(e)) => Err(e),
-                Err(e) => Err(WireError::from(&e)),
-            });
-        }
-        if buf.capacity() > 1 << 20 {
-            buf = Vec::new();
-        }
-    };
-    conn.fail_all(error);
 }

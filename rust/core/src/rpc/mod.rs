@@ -107,9 +107,10 @@
 //!
 //! [`Server`] serves one [`CheckpointService`](crate::service::CheckpointService)
 //! to any number of connections, decoding each request into one call of the
-//! [`Checkpoints`](crate::protocol::Checkpoints) operation set (a thread each; `prepare_store`, which may
-//! wait for space, on a thread of its own). [`Client`] is thread-safe,
-//! pipelines, times out blocking calls, offers `*_async` futures, and
+//! [`Checkpoints`](crate::protocol::Checkpoints) operation set (a thread each; a `prepare_store`
+//! that must wait for space on a thread of its own). [`Client`] is
+//! thread-safe, pipelines (its callers read their own replies), times out
+//! blocking calls, offers `*_async` futures, and
 //! reconnects after a server restart (calls in flight then fail with
 //! [`Error::Unavailable`](crate::Error::Unavailable)). Leases outlive the
 //! connection that obtained them: they belong to the client's process, and
@@ -136,5 +137,8 @@ impl PoolSource for Client {
     }
     fn pool_id(&self) -> Result<String> {
         Client::pool_id(self)
+    }
+    fn pool_id_if_async(&self) -> Option<String> {
+        Client::live_pool_id(self)
     }
 }

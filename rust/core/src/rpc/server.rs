@@ -1,15 +1,17 @@
 //! The RPC server: a Unix-socket listener in front of one [`CheckpointService`].
 //!
 //! Threads: one accept thread; one thread per connection (bounded by
-//! [`ServerConfig::max_connections`]) that reads frames and answers fast
-//! requests inline; `prepare_store` (which may wait for L1 space up to the
-//! service's admission timeout) runs on a thread of its own so that a
-//! pipelining client's other requests — e.g. the `finish_store` that frees
-//! the space — are never queued behind it; so does `find` when a shared
-//! tier is configured (it may wait up to the shared lookup timeout). Those
-//! threads (`lmcache-rc-offload`) are kept for [`OFFLOAD_IDLE`] after their
-//! request and take the next one: starting a thread per store cost a
-//! pipelined store lease milliseconds while copies kept the cores busy
+//! [`ServerConfig::max_connections`]) that reads frames and answers
+//! requests inline. A `prepare_store` is answered inline when the pages fit
+//! L1 now ([`CheckpointService::try_prepare_store_for`]: no thread hand-off
+//! on a store lease); one that must wait for evictions (up to the service's
+//! admission timeout) runs on a thread of its own so that a pipelining
+//! client's other requests — e.g. the `finish_store` that frees the space —
+//! are never queued behind it; so does `find` when a shared tier is
+//! configured (it may wait up to the shared lookup timeout). Those threads
+//! (`lmcache-rc-offload`) are kept for [`OFFLOAD_IDLE`] after their request
+//! and take the next one: starting a thread per store cost a pipelined
+//! store lease milliseconds while copies kept the cores busy
 //! (`transfer_breakdown` example). Replies go out under a
 //! per-connection write lock with a write timeout, so a client that stops
 //! reading loses its own connection and never blocks anyone else.
@@ -52,7 +54,9 @@ use crate::peer::Peer;
 use crate::protocol::{Checkpoints, Decorator, Lease, MissReason, ServiceStatus};
 use crate::service::{CheckpointService, Holder, ServiceConfig};
 
-use super::wire::{self, CONNECTION_ERROR_ID, FrameError, Reply, Request};
+use super::wire::{
+    self, CONNECTION_ERROR_ID, FrameError, Reply, ReplyValue, Request, Value, WireArg,
+};
 
 /// How long a new connection may take to send its hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -1065,48 +1069,84 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream
 
 /// Runs a request inline, or on a thread of its own when it may wait long.
 fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, request: Request) {
-    // A find with a shared tier may wait for it (up to its lookup timeout).
-    let may_wait = matches!(request, Request::PrepareStore { .. })
-        || (matches!(request, Request::Find { .. }) && shared.service.has_shared_tier());
-    let name = request.name();
-    if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
-        let (s, c, h) = (shared.clone(), conn.clone(), holder.clone());
-        let job: OffloadJob = Box::new(move || {
-            let reply = run(&s, &h, request);
-            c.send(&s, rid, &reply);
-            s.offloaded.fetch_sub(1, Ordering::SeqCst);
-        });
-        let mut q = shared.offload.lock();
-        q.jobs.push_back(job);
-        if q.idle >= q.jobs.len() {
-            // An idle thread takes it (each idle thread takes one job).
-            drop(q);
-            shared.offload_ready.notify_one();
-            return;
-        }
-        q.threads += 1;
-        drop(q);
-        let s = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name("lmcache-rc-offload".into())
-            .spawn(move || offload_loop(&s));
-        if let Err(e) = spawned {
-            shared.offload.lock().threads -= 1;
-            // No thread for the queued job: run one queued job here, so
-            // that every queued job has a runner.
-            log::warn!("the server cannot start a thread for {name}: {e}; running it inline");
-            let job = shared.offload.lock().jobs.pop_front();
-            if let Some(job) = job {
-                job();
+    let call: Call = match request {
+        // A store admission is answered here when the pages fit L1 now
+        // (most do: one thread hand-off less per store lease); one that
+        // must wait for evictions goes to a thread of its own.
+        Request::PrepareStore { manifest, rank } => {
+            let manifest = match <fn(&Manifest) as WireArg>::decode(manifest) {
+                Ok(m) => m,
+                Err(e) => return conn.send(shared, rid, &Reply::from_result(Err(e))),
+            };
+            let served = Served { shared, holder };
+            let mut waits = false;
+            let reply = guarded("prepare_store", || {
+                let lease = served.try_prepare_store(&manifest, rank)?;
+                waits = lease.is_none();
+                Ok(lease.map(ReplyValue::into_value).unwrap_or(Value::Unit))
+            });
+            if !waits {
+                return conn.send(shared, rid, &reply);
             }
+            Box::new(move |s: &Shared, h: &Holder| {
+                guarded("prepare_store", || {
+                    let served = Served {
+                        shared: s,
+                        holder: h,
+                    };
+                    Decorator::prepare_store(&served, &manifest, rank).map(ReplyValue::into_value)
+                })
+            })
         }
+        // A find with a shared tier may wait for it (up to its lookup timeout).
+        request @ Request::Find { .. } if shared.service.has_shared_tier() => {
+            Box::new(move |s: &Shared, h: &Holder| run(s, h, request))
+        }
+        request => return conn.send(shared, rid, &run(shared, holder, request)),
+    };
+    offload(shared, conn, holder, rid, call);
+}
+
+/// A request to carry out on an offload thread: the reply to send.
+type Call = Box<dyn FnOnce(&Shared, &Holder) -> Reply + Send>;
+
+/// Runs `call` on an offload thread (a kept one when idle), or on this
+/// thread past [`MAX_OFFLOADED`].
+fn offload(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, call: Call) {
+    if shared.offloaded.fetch_add(1, Ordering::SeqCst) >= MAX_OFFLOADED {
+        shared.offloaded.fetch_sub(1, Ordering::SeqCst);
+        return conn.send(shared, rid, &call(shared, holder));
+    }
+    let (s, c, h) = (shared.clone(), conn.clone(), holder.clone());
+    let job: OffloadJob = Box::new(move || {
+        let reply = call(&s, &h);
+        c.send(&s, rid, &reply);
+        s.offloaded.fetch_sub(1, Ordering::SeqCst);
+    });
+    let mut q = shared.offload.lock();
+    q.jobs.push_back(job);
+    if q.idle >= q.jobs.len() {
+        // An idle thread takes it (each idle thread takes one job).
+        drop(q);
+        shared.offload_ready.notify_one();
         return;
     }
-    if may_wait {
-        shared.offloaded.fetch_sub(1, Ordering::SeqCst);
+    q.threads += 1;
+    drop(q);
+    let s = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name("lmcache-rc-offload".into())
+        .spawn(move || offload_loop(&s));
+    if let Err(e) = spawned {
+        shared.offload.lock().threads -= 1;
+        // No thread for the queued job: run one queued job here, so
+        // that every queued job has a runner.
+        log::warn!("the server cannot start an offload thread: {e}; running a request inline");
+        let job = shared.offload.lock().jobs.pop_front();
+        if let Some(job) = job {
+            job();
+        }
     }
-    let reply = run(shared, holder, request);
-    conn.send(shared, rid, &reply);
 }
 
 /// A request handed to an offload thread (it sends its own reply).
@@ -1149,9 +1189,13 @@ fn offload_loop(shared: &Arc<Shared>) {
 /// Executes one request; a panic becomes an `Internal` error reply (I9).
 fn run(shared: &Shared, holder: &Holder, request: Request) -> Reply {
     let name = request.name();
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        request.apply(&Served { shared, holder })
-    }));
+    guarded(name, || request.apply(&Served { shared, holder }))
+}
+
+/// The reply of one call of operation `name`; a panic becomes an
+/// `Internal` error reply (I9).
+fn guarded(name: &str, call: impl FnOnce() -> Result<Value>) -> Reply {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call));
     match outcome {
         Ok(result) => Reply::from_result(result),
         Err(panic) => {
@@ -1197,6 +1241,16 @@ struct Served<'a> {
 impl Served<'_> {
     fn admitting(&self) -> bool {
         self.shared.admitting.load(Ordering::SeqCst)
+    }
+    /// [`Decorator::prepare_store`] that never waits for L1 space (`None`:
+    /// the pages do not fit now; see
+    /// [`CheckpointService::try_prepare_store_for`]).
+    fn try_prepare_store(&self, manifest: &Manifest, rank: u32) -> Result<Option<Lease>> {
+        if !self.admitting() {
+            return Ok(Some(Lease::miss(MissReason::Shutdown)));
+        }
+        self.inner()
+            .try_prepare_store_for(self.holder, manifest, rank)
     }
 }
 

@@ -158,6 +158,20 @@ impl CheckpointService {
         store::prepare_store(&self.inner, holder, manifest, rank)
     }
 
+    /// [`CheckpointService::prepare_store_for`] that never waits for L1
+    /// space: `Ok(None)` when the rank's new pages do not fit now, with
+    /// nothing changed (then `prepare_store_for` waits for evictions, up to
+    /// the admission timeout). Any other answer is the one
+    /// `prepare_store_for` would have given.
+    pub fn try_prepare_store_for(
+        &self,
+        holder: &Holder,
+        manifest: &Manifest,
+        rank: u32,
+    ) -> Result<Option<Lease>> {
+        store::try_prepare_store(&self.inner, holder, manifest, rank)
+    }
+
     /// [`Checkpoints::begin_retrieve`] for a lease held by `holder`: when
     /// that process is gone, the lease is released.
     pub fn begin_retrieve_for(

@@ -185,16 +185,40 @@ pub(super) fn prepare_store(
     manifest: &Manifest,
     rank: u32,
 ) -> Result<Lease> {
+    prepare_store_if(inner, holder, manifest, rank, true)?
+        .ok_or_else(|| Error::Internal("a waiting store admission gave no answer".into()))
+}
+
+/// [`prepare_store`] that never waits for L1 space: `None` when the
+/// rank's new pages do not fit now (nothing was changed; `prepare_store`
+/// waits for evictions). What the RPC server answers on a connection's own
+/// thread, saving a thread hand-off when the space is there.
+pub(super) fn try_prepare_store(
+    inner: &Arc<Inner>,
+    holder: &Holder,
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Option<Lease>> {
+    prepare_store_if(inner, holder, manifest, rank, false)
+}
+
+fn prepare_store_if(
+    inner: &Arc<Inner>,
+    holder: &Holder,
+    manifest: &Manifest,
+    rank: u32,
+    may_wait: bool,
+) -> Result<Option<Lease>> {
     let keys = super::retrieve::rank_keys(inner, manifest, rank)?;
     let (groups, page_bytes) = (&keys.groups, &keys.page_bytes);
     let generation = manifest.generation().to_string();
     let epoch = staged_epoch(&inner.lock(), &generation);
     if !inner.dir.is_pending(manifest)? {
-        return Ok(inner.lock().miss(MissReason::NotPending));
+        return Ok(Some(inner.lock().miss(MissReason::NotPending)));
     }
     let mut st = inner.lock();
     if !st.accepting {
-        return Ok(st.miss(MissReason::Shutdown));
+        return Ok(Some(st.miss(MissReason::Shutdown)));
     }
     if st.store_ranks.contains(&(generation.clone(), rank)) {
         return Err(Error::invalid(format!(
@@ -206,7 +230,7 @@ pub(super) fn prepare_store(
     // creates the service's record of a staging, so a missing or newer
     // one means this call belongs to an aborted staging.
     let Some(epoch) = epoch.filter(|e| staged_epoch(&st, &generation) == Some(*e)) else {
-        return Ok(st.miss(MissReason::NotPending));
+        return Ok(Some(st.miss(MissReason::NotPending)));
     };
     if let Some(pg) = st.pending.get(&generation) {
         if pg.ranks.get(&rank) == Some(&RankState::Committed) {
@@ -219,7 +243,7 @@ pub(super) fn prepare_store(
         let miss = st.miss(MissReason::LeaseBudget);
         drop(st);
         abort(inner, &generation)?;
-        return Ok(miss);
+        return Ok(Some(miss));
     }
     st.store_ranks.insert((generation.clone(), rank));
     let (lease_no, lease_id) = st.new_lease_id();
@@ -228,7 +252,7 @@ pub(super) fn prepare_store(
     loop {
         if staged_epoch(&st, &generation) != Some(epoch) {
             st.store_ranks.remove(&(generation.clone(), rank));
-            return Ok(st.miss(MissReason::Conflict));
+            return Ok(Some(st.miss(MissReason::Conflict)));
         }
         let generation_before = st.alloc.change_generation();
         match attempt_store(&mut st, groups, page_bytes, lease_no) {
@@ -264,12 +288,20 @@ pub(super) fn prepare_store(
                 if waited {
                     st.count(Counter::AdmissionSuccessAfterEviction, 1);
                 }
-                return Ok(Lease::ready(lease_id, inner.pool.id().to_string(), slots));
+                return Ok(Some(Lease::ready(
+                    lease_id,
+                    inner.pool.id().to_string(),
+                    slots,
+                )));
             }
             Attempt::Busy => {
                 st.store_ranks.remove(&(generation.clone(), rank));
                 st.count(Counter::AdmissionBusy, 1);
-                return Ok(Lease::busy());
+                return Ok(Some(Lease::busy()));
+            }
+            Attempt::Capacity if !may_wait => {
+                st.store_ranks.remove(&(generation.clone(), rank));
+                return Ok(None);
             }
             Attempt::Capacity => {
                 let now = Instant::now();
@@ -279,7 +311,7 @@ pub(super) fn prepare_store(
                     st.count(Counter::AdmissionTimeouts, 1);
                     drop(st);
                     abort(inner, &generation)?;
-                    return Ok(miss);
+                    return Ok(Some(miss));
                 }
                 if !waited {
                     st.count(Counter::AdmissionWaits, 1);

@@ -13,7 +13,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::backend::{CopyBackend, CopyFailure, Registration};
 use super::plan::{self, Direction};
-use super::sidecar::{LeaseAnswer, LeaseApi, LeaseCall};
+use super::sidecar::{LeaseAnswer, LeaseApi, LeaseCall, ReplyHandle};
 use crate::error::{Error, ErrorKind, Result};
 use crate::json;
 use crate::manifest::{CheckpointPayload, Manifest, PayloadSchema};
@@ -248,17 +248,48 @@ struct Leased {
     mapped: Arc<Mapped>,
 }
 
-/// Both stages' queues. Lease threads take `jobs`, obtain and validate a
-/// lease and put it into `ready`; copy threads copy `ready` items and finish
-/// their leases. At most `workers` jobs are being leased or wait leased, so
-/// each copy thread has its next lease prepared while it copies, and no more
-/// slots are held than the copies can use.
+/// A job whose first lease call `submit` sent ([`Inner::start_early`]):
+/// what its transfer thread continues with.
+struct Started {
+    schema: Arc<PayloadSchema>,
+    groups: Vec<usize>,
+    mapped: Arc<Mapped>,
+    /// The reply to prepare_store / begin_retrieve.
+    first: Box<dyn ReplyHandle>,
+    /// When the call was about to go out (the job's phase clock: the
+    /// sending, the thread's wake-up and the reply count as the lease).
+    clock: Instant,
+}
+
+/// Jobs of at most this many pages may send their first lease call from
+/// `submit` (which then checks them: about 0.4 µs per page the first time
+/// a manifest is seen), so the transfer thread's wake-up overlaps the
+/// round trip instead of preceding it.
+const EARLY_MAX_PAGES: usize = 16;
+
+/// The jobs and the two limits of the pipeline. Each job is carried out
+/// by one transfer thread from its lease to its finish, so a job whose lease
+/// is ready copies on the thread that leased it, with no hand-off to
+/// another thread. At most `workers` jobs are being leased or wait leased
+/// (so no more slots are held than the copies can use, and each copy's
+/// successor is leased while it copies) and at most `workers` copy at once
+/// (leased jobs take the copy slots in lease order); a job's finish RPC
+/// runs after its copy slot is free, overlapping the next copy.
 struct Queue {
     jobs: VecDeque<(Job, JobHandle)>,
-    /// Leased jobs, with when their lease was ready (for [`JobPhases::handoff`]).
-    ready: VecDeque<(Job, JobHandle, Leased, Instant)>,
-    /// Jobs a lease thread is working on.
+    /// Jobs whose first lease call is out (counted in `leasing`).
+    started: VecDeque<(Job, JobHandle, Started)>,
+    /// `submit` calls sending a first lease call now (counted in `leasing`).
+    starting: usize,
+    /// Transfer threads waiting for a job.
+    idle: usize,
+    /// Leased jobs waiting for a copy slot, by ticket, oldest first.
+    ready: VecDeque<u64>,
+    next_ticket: u64,
+    /// Jobs a transfer thread is leasing (steps 1-4).
     leasing: usize,
+    /// Jobs copying (step 5).
+    copying: usize,
     admitted: usize,
     closing: bool,
     /// Blocks admitted jobs write (retrieves) and read (stores), with the
@@ -268,6 +299,11 @@ struct Queue {
 }
 
 impl Queue {
+    /// Whether an idle transfer thread may take the next job.
+    fn can_lease(&self, workers: usize) -> bool {
+        !self.jobs.is_empty() && self.leasing + self.ready.len() < workers
+    }
+
     /// Refuses a job that would write a block another admitted job reads
     /// or writes, or read a block another one writes; else records its
     /// blocks until it ends.
@@ -332,7 +368,11 @@ struct Inner {
     /// `config.layout`, converted once (compared with parsed payloads).
     bound_layout: Option<json::Value>,
     queue: Mutex<Queue>,
-    /// Signals new work (copy threads) and idleness (close / wait_idle).
+    /// Signals idle transfer threads: a job can be taken, or closing.
+    work: Condvar,
+    /// Signals leased jobs waiting for a copy slot.
+    copy_slot: Condvar,
+    /// Signals a job's end (close / wait_idle).
     changed: Condvar,
     unsafe_reason: Mutex<Option<String>>,
     is_unsafe: AtomicBool,
@@ -381,13 +421,20 @@ impl TransferEngine {
             backend,
             queue: Mutex::new(Queue {
                 jobs: VecDeque::new(),
+                started: VecDeque::new(),
+                starting: 0,
+                idle: 0,
                 ready: VecDeque::new(),
+                next_ticket: 0,
                 leasing: 0,
+                copying: 0,
                 admitted: 0,
                 closing: false,
                 writing: HashMap::new(),
                 reading: HashMap::new(),
             }),
+            work: Condvar::new(),
+            copy_slot: Condvar::new(),
             changed: Condvar::new(),
             unsafe_reason: Mutex::new(None),
             is_unsafe: AtomicBool::new(false),
@@ -400,31 +447,22 @@ impl TransferEngine {
         });
         inner.mapped()?;
         let mut threads = Vec::new();
-        for i in 0..inner.config.workers {
-            for copy in [false, true] {
-                let thread_inner = inner.clone();
-                let name = if copy {
-                    format!("lmcache_rc_copy{i}")
-                } else {
-                    format!("lmcache_rc_lease{i}")
-                };
-                let started = std::thread::Builder::new().name(name).spawn(move || {
-                    if copy {
-                        thread_inner.copy_loop()
-                    } else {
-                        thread_inner.lease_loop()
-                    }
-                });
-                match started {
-                    Ok(t) => threads.push(t),
-                    Err(e) => {
-                        let engine = TransferEngine {
-                            inner,
-                            threads: Mutex::new(threads),
-                        };
-                        drop(engine);
-                        return Err(Error::io("start a transfer thread", e));
-                    }
+        // Two per copy slot: while one copies, the other leases the next job
+        // or finishes the previous one.
+        for i in 0..2 * inner.config.workers {
+            let thread_inner = inner.clone();
+            let started = std::thread::Builder::new()
+                .name(format!("lmcache_rc_xfer{i}"))
+                .spawn(move || thread_inner.job_loop());
+            match started {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    let engine = TransferEngine {
+                        inner,
+                        threads: Mutex::new(threads),
+                    };
+                    drop(engine);
+                    return Err(Error::io("start a transfer thread", e));
                 }
             }
         }
@@ -464,9 +502,35 @@ impl TransferEngine {
         q.claim_blocks(&job)?;
         let handle = JobHandle::new();
         q.admitted += 1;
-        q.jobs.push_back((job, handle.clone()));
+        let workers = self.inner.config.workers;
+        // A small job that a waiting thread would lease at once sends its
+        // first lease call from here.
+        let early = q.jobs.is_empty()
+            && q.leasing + q.ready.len() < workers
+            && q.idle > q.started.len() + q.starting
+            && job.block_ids.iter().map(Vec::len).sum::<usize>() <= EARLY_MAX_PAGES;
+        if early {
+            q.leasing += 1;
+            q.starting += 1;
+            drop(q);
+            let started = self.inner.start_early(&job, &handle);
+            q = self.inner.queue.lock();
+            q.starting -= 1;
+            match started {
+                Some(started) => q.started.push_back((job, handle.clone(), started)),
+                None => {
+                    q.leasing -= 1;
+                    q.jobs.push_back((job, handle.clone()));
+                }
+            }
+        } else {
+            q.jobs.push_back((job, handle.clone()));
+        }
+        let wake = !q.started.is_empty() || q.can_lease(workers) || q.closing;
         drop(q);
-        self.inner.changed.notify_all();
+        if wake {
+            self.inner.work.notify_one();
+        }
         Ok(Some(handle))
     }
 
@@ -537,6 +601,7 @@ impl TransferEngine {
             let mut q = self.inner.queue.lock();
             q.closing = true;
         }
+        self.inner.work.notify_all();
         self.inner.changed.notify_all();
         if !self.wait_idle(timeout) {
             return Err(Error::UnsafeCopy(format!(
@@ -581,6 +646,22 @@ impl Drop for TransferEngine {
     }
 }
 
+/// A job's copy slot ([`Inner::copy_slot`]); freed when dropped (after the
+/// copy, or when a copy panics).
+struct CopySlot<'a>(&'a Inner);
+
+impl Drop for CopySlot<'_> {
+    fn drop(&mut self) {
+        let mut q = self.0.queue.lock();
+        q.copying -= 1;
+        let waiting = !q.ready.is_empty();
+        drop(q);
+        if waiting {
+            self.0.copy_slot.notify_all();
+        }
+    }
+}
+
 /// Sleep between busy retries / polls: doubling, capped, never past the deadline.
 fn backoff_sleep(step: &mut Duration, cap: Duration, deadline: Instant) {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -608,72 +689,99 @@ enum Rpc<T> {
 }
 
 impl Inner {
-    /// Stage 1: take a job, obtain and validate its lease, hand it to a copy thread.
-    fn lease_loop(self: Arc<Self>) {
+    /// A transfer thread: takes a job, leases it (steps 1-4), copies it
+    /// once a copy slot is free (step 5) and finishes it (step 6).
+    fn job_loop(self: Arc<Self>) {
+        let workers = self.config.workers;
         loop {
             let next = {
                 let mut q = self.queue.lock();
                 loop {
-                    if q.leasing + q.ready.len() < self.config.workers {
-                        if let Some(job) = q.jobs.pop_front() {
+                    if let Some((job, handle, started)) = q.started.pop_front() {
+                        break Some((job, handle, Some(started)));
+                    }
+                    if q.can_lease(workers) {
+                        if let Some((job, handle)) = q.jobs.pop_front() {
                             q.leasing += 1;
-                            break Some(job);
+                            break Some((job, handle, None));
                         }
                     }
-                    if q.closing && q.jobs.is_empty() {
+                    if q.closing && q.jobs.is_empty() && q.starting == 0 {
                         break None;
                     }
-                    self.changed.wait(&mut q);
+                    q.idle += 1;
+                    self.work.wait(&mut q);
+                    q.idle -= 1;
                 }
             };
-            let Some((job, handle)) = next else { return };
-            let mut clock = handle.0.submitted;
-            handle.lap(&mut clock, |p| &mut p.queued);
+            let Some((job, handle, started)) = next else {
+                return;
+            };
+            let mut clock = match &started {
+                Some(s) => s.clock,
+                None => {
+                    let mut clock = handle.0.submitted;
+                    handle.lap(&mut clock, |p| &mut p.queued);
+                    clock
+                }
+            };
             let staged = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.acquire(&job, &handle, &mut clock)
+                self.acquire(&job, &handle, &mut clock, started)
             }))
             .unwrap_or_else(|_| Err(self.turn_unsafe("a transfer thread panicked".into())));
-            let mut q = self.queue.lock();
-            q.leasing -= 1;
-            match staged {
-                Ok(leased) => q.ready.push_back((job, handle, leased, clock)),
+            let leased = match staged {
+                Ok(leased) => leased,
                 Err(outcome) => {
+                    let mut q = self.queue.lock();
+                    q.leasing -= 1;
+                    let wake = q.can_lease(workers);
                     drop(q);
+                    if wake {
+                        self.work.notify_one();
+                    }
                     self.complete(&job, &handle, outcome);
                     continue;
                 }
-            }
-            drop(q);
-            self.changed.notify_all();
+            };
+            let slot = self.copy_slot();
+            handle.lap(&mut clock, |p| &mut p.handoff);
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.transfer(&job, &handle, leased, &mut clock, slot)
+            }))
+            .unwrap_or_else(|_| {
+                self.turn_unsafe("a transfer thread panicked during a copy".into())
+            });
+            self.complete(&job, &handle, outcome);
         }
     }
 
-    /// Stage 2: copy a leased job and finish its lease.
-    fn copy_loop(self: Arc<Self>) {
-        loop {
-            let next = {
-                let mut q = self.queue.lock();
-                loop {
-                    if let Some(item) = q.ready.pop_front() {
-                        break Some(item);
-                    }
-                    if q.closing && q.jobs.is_empty() && q.leasing == 0 {
-                        break None;
-                    }
-                    self.changed.wait(&mut q);
-                }
-            };
-            let Some((job, handle, leased, mut clock)) = next else {
-                return;
-            };
-            self.changed.notify_all();
-            handle.lap(&mut clock, |p| &mut p.handoff);
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.transfer(&job, &handle, leased, &mut clock)
-            }))
-            .unwrap_or_else(|_| self.turn_unsafe("a copy thread panicked during a copy".into()));
-            self.complete(&job, &handle, outcome);
+    /// Moves the calling thread's job from leasing to copying: at once when
+    /// a copy slot is free and no leased job waits, else after the leased
+    /// jobs before it.
+    fn copy_slot(&self) -> CopySlot<'_> {
+        let workers = self.config.workers;
+        let mut q = self.queue.lock();
+        q.leasing -= 1;
+        if q.copying >= workers || !q.ready.is_empty() {
+            let ticket = q.next_ticket;
+            q.next_ticket += 1;
+            q.ready.push_back(ticket);
+            while q.ready.front() != Some(&ticket) || q.copying >= workers {
+                self.copy_slot.wait(&mut q);
+            }
+            q.ready.pop_front();
+            if !q.ready.is_empty() && q.copying + 1 < workers {
+                // The next leased job may take another free slot.
+                self.copy_slot.notify_all();
+            }
         }
+        q.copying += 1;
+        let wake = q.can_lease(workers);
+        drop(q);
+        if wake {
+            self.work.notify_one();
+        }
+        CopySlot(self)
     }
 
     /// Logs an outcome, resolves the job's future and releases its admission.
@@ -772,9 +880,14 @@ impl Inner {
     /// Sends `call` and waits for its reply, twice at most
     /// (`docs/design/transfers.md#rpc-timeout-reconciliation`).
     fn rpc(&self, call: LeaseCall) -> Rpc<LeaseAnswer> {
+        let handle = self.api.call(call.clone());
+        self.rpc_reply(call, handle)
+    }
+
+    /// Waits for the reply of `call` sent earlier, as [`Inner::rpc`] does.
+    fn rpc_reply(&self, call: LeaseCall, handle: Box<dyn ReplyHandle>) -> Rpc<LeaseAnswer> {
         let name = call.name();
         let timeout = self.config.rpc_timeout;
-        let handle = self.api.call(call.clone());
         let first = handle.wait(timeout);
         let answer = match first {
             Err(e) if e.kind() == ErrorKind::Timeout => match handle.wait(timeout) {
@@ -847,9 +960,19 @@ impl Inner {
         ))
     }
 
-    /// A lease call whose unresolved reply makes the engine unsafe.
-    fn lease_rpc(&self, call: LeaseCall, exposes: bool) -> std::result::Result<Lease, Outcome> {
-        match self.rpc(call) {
+    /// A lease call whose unresolved reply makes the engine unsafe; `sent`
+    /// is its reply when the call already went out.
+    fn lease_rpc(
+        &self,
+        call: LeaseCall,
+        exposes: bool,
+        sent: Option<Box<dyn ReplyHandle>>,
+    ) -> std::result::Result<Lease, Outcome> {
+        let reply = match sent {
+            Some(handle) => self.rpc_reply(call, handle),
+            None => self.rpc(call),
+        };
+        match reply {
             Rpc::Ok(LeaseAnswer::Lease(l)) => Ok(l),
             Rpc::Ok(other) => Err(Outcome::Failed(Error::Protocol(format!(
                 "expected a lease, the sidecar answered {other:?}"
@@ -879,28 +1002,44 @@ impl Inner {
     }
 
     /// Checks, maps, leases and validates: a lease ready to copy, or how the
-    /// job ended without copying.
+    /// job ended without copying. A job `submit` started was checked and
+    /// mapped there; its first lease reply is waited for here.
     fn acquire(
         &self,
         job: &Job,
         handle: &JobHandle,
         clock: &mut Instant,
+        started: Option<Started>,
     ) -> std::result::Result<Leased, Outcome> {
-        if let Some(reason) = self.unsafe_reason.lock().clone() {
-            // Admitted before the engine turned unsafe: start nothing new.
-            return Err(Outcome::Failed(Error::UnsafeCopy(format!(
-                "not started: the transfer engine is unsafe ({reason})"
-            ))));
-        }
-        let (schema, groups) = self.check(job).map_err(Outcome::Failed)?;
-        handle.lap(clock, |p| &mut p.check);
-        let mapped = self.mapped().map_err(Outcome::Failed)?;
-        handle.lap(clock, |p| &mut p.map);
+        let (schema, groups, mapped, first) = match started {
+            Some(s) => (s.schema, s.groups, s.mapped, Some(s.first)),
+            None => {
+                if let Some(reason) = self.unsafe_reason.lock().clone() {
+                    // Admitted before the engine turned unsafe: start nothing new.
+                    return Err(Outcome::Failed(Error::UnsafeCopy(format!(
+                        "not started: the transfer engine is unsafe ({reason})"
+                    ))));
+                }
+                let (schema, groups) = self.check(job).map_err(Outcome::Failed)?;
+                handle.lap(clock, |p| &mut p.check);
+                let mapped = self.mapped().map_err(Outcome::Failed)?;
+                handle.lap(clock, |p| &mut p.map);
+                (schema, groups, mapped, None)
+            }
+        };
         let (lease, lease_id) = match job.direction {
-            Direction::Store => self.lease_store(job)?,
-            Direction::Retrieve => self.lease_retrieve(job)?,
+            Direction::Store => self.lease_store(job, first)?,
+            Direction::Retrieve => self.lease_retrieve(job, first)?,
         };
         handle.lap(clock, |p| &mut p.lease);
+        if let Some(reason) = self.unsafe_reason.lock().clone() {
+            // Turned unsafe while this job's first call was out: give the
+            // lease back unused.
+            let cause = Error::UnsafeCopy(format!(
+                "not started: the transfer engine is unsafe ({reason})"
+            ));
+            return Err(self.release(job, &lease_id, cause));
+        }
         let planned = self.checked_plan(job, &schema, &groups, &lease, &mapped);
         handle.lap(clock, |p| &mut p.plan);
         match planned {
@@ -911,6 +1050,33 @@ impl Inner {
             }),
             Err(e) => Err(self.release(job, &lease_id, e)),
         }
+    }
+
+    /// Checks a job and sends its first lease call (prepare_store or
+    /// begin_retrieve) from `submit`, when the lease API only sends and the
+    /// pool it names is the one mapped; None (nothing sent) otherwise, or
+    /// when the check fails (the transfer thread then checks it again and
+    /// fails the job as usual).
+    fn start_early(&self, job: &Job, handle: &JobHandle) -> Option<Started> {
+        let mut clock = handle.0.submitted;
+        let pool_id = self.api.early_pool_id()?;
+        let mapped = self.current_mapping(&pool_id)?;
+        let (schema, groups) = self.check(job).ok()?;
+        handle.lap(&mut clock, |p| &mut p.check);
+        let (manifest, rank) = (job.manifest.clone(), job.rank);
+        let call = match job.direction {
+            Direction::Store => LeaseCall::PrepareStore { manifest, rank },
+            Direction::Retrieve => LeaseCall::BeginRetrieve { manifest, rank },
+        };
+        // Sending and the transfer thread's wake-up count as the lease.
+        let first = self.api.call(call);
+        Some(Started {
+            schema,
+            groups,
+            mapped,
+            first,
+            clock,
+        })
     }
 
     /// Finishes a lease as failed (nothing was copied into it or out of it).
@@ -931,13 +1097,15 @@ impl Inner {
         }
     }
 
-    /// Copies a leased job and finishes its lease.
+    /// Copies a leased job in its copy slot, frees the slot and finishes
+    /// the lease.
     fn transfer(
         &self,
         job: &Job,
         handle: &JobHandle,
         leased: Leased,
         clock: &mut Instant,
+        slot: CopySlot<'_>,
     ) -> Outcome {
         let Leased {
             lease_id,
@@ -945,6 +1113,7 @@ impl Inner {
             mapped,
         } = leased;
         let copied = self.backend.copy(&plan, &mapped.pool, job.producer_event);
+        drop(slot);
         handle.lap(clock, |p| &mut p.copy);
         match copied {
             Ok(()) => {}
@@ -973,7 +1142,12 @@ impl Inner {
     }
 
     /// prepare_store, retrying *busy* with capped backoff until `rpc_timeout`.
-    fn lease_store(&self, job: &Job) -> std::result::Result<(Lease, String), Outcome> {
+    /// `first`: the reply of a prepare_store already sent.
+    fn lease_store(
+        &self,
+        job: &Job,
+        mut first: Option<Box<dyn ReplyHandle>>,
+    ) -> std::result::Result<(Lease, String), Outcome> {
         let deadline = Instant::now() + self.config.rpc_timeout;
         let mut step = Duration::from_millis(1);
         loop {
@@ -983,6 +1157,7 @@ impl Inner {
                     rank: job.rank,
                 },
                 true,
+                first.take(),
             )?;
             match lease.status {
                 LeaseStatus::Ready => {
@@ -1018,13 +1193,19 @@ impl Inner {
 
     /// begin_retrieve (ready at once when every page is in L1), else poll
     /// until ready; cancels at `rpc_timeout`.
-    fn lease_retrieve(&self, job: &Job) -> std::result::Result<(Lease, String), Outcome> {
+    /// `first`: the reply of a begin_retrieve already sent.
+    fn lease_retrieve(
+        &self,
+        job: &Job,
+        first: Option<Box<dyn ReplyHandle>>,
+    ) -> std::result::Result<(Lease, String), Outcome> {
         let mut lease = self.lease_rpc(
             LeaseCall::BeginRetrieve {
                 manifest: job.manifest.clone(),
                 rank: job.rank,
             },
             false,
+            first,
         )?;
         let deadline = Instant::now() + self.config.rpc_timeout;
         // An L1-resident restore was ready at begin_retrieve; a pending one
@@ -1051,6 +1232,7 @@ impl Inner {
                     rank: job.rank,
                 },
                 true,
+                None,
             ) {
                 Ok(l) => l,
                 Err(o @ Outcome::Unsafe(_)) => return Err(o),

@@ -7,13 +7,18 @@
 //! templates, where one page is several byte regions.
 //!
 //! One [`TransferEngine`] per worker rank owns a bounded admission queue
-//! (`max_pending` jobs, queued or in progress) and a two-stage pipeline of
-//! `workers` lease threads (`lmcache_rc_lease<i>`: steps 1–4 below) and
-//! `workers` copy threads (`lmcache_rc_copy<i>`: steps 5–6). At most
-//! `workers` jobs are being leased or wait leased, so each copy thread's next
-//! lease is ready when its copy ends and no more slots are held than the
-//! copies can use. A [`Job`] is one rank's pages of one generation in
-//! one [`Direction`]. Its life:
+//! (`max_pending` jobs, queued or in progress) and `2 × workers` transfer
+//! threads (`lmcache_rc_xfer<i>`), each carrying one job through all of
+//! steps 1–6 below, so a leased job copies on the thread that leased it
+//! (no hand-off). At most `workers` jobs are being leased or wait leased
+//! (each copy's successor is leased while it copies, and no more slots are
+//! held than the copies can use) and at most `workers` copy at once
+//! (leased jobs take the copy slots in lease order); a finish overlaps the
+//! next copy. Through a lease API that only sends (the RPC client), a job
+//! of at most 16 pages that a waiting thread would take at once is checked
+//! in `submit`, which sends its first lease call, so the thread's wake-up
+//! overlaps the round trip. A [`Job`] is one rank's pages of one generation
+//! in one [`Direction`]. Its life:
 //!
 //! 1. **Check** before any lease: the manifest's payload is parsed once
 //!    ([`crate::manifest::CheckpointPayload`] when a layout is bound) and its

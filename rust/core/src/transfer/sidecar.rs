@@ -120,6 +120,15 @@ pub trait LeaseApi: Send + Sync {
     fn pool_id(&self) -> Result<String>;
     /// Sends one lease operation; the reply arrives through the handle.
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle>;
+    /// The id of the pool leases come from now, when known without
+    /// blocking and when [`LeaseApi::call`] only sends (see
+    /// [`PoolSource::pool_id_if_async`]): then the engine sends a small
+    /// job's first lease call from `submit`, while a transfer thread wakes
+    /// up to wait for its reply. None (the default): every call is made on
+    /// a transfer thread.
+    fn early_pool_id(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A protocol future whose value becomes a [`LeaseAnswer`].
@@ -189,6 +198,9 @@ impl<T: CheckpointsAsync + PoolSource> LeaseApi for T {
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         call_async(self, call)
     }
+    fn early_pool_id(&self) -> Option<String> {
+        PoolSource::pool_id_if_async(self)
+    }
 }
 
 impl<T: LeaseApi + ?Sized> LeaseApi for Arc<T> {
@@ -200,5 +212,8 @@ impl<T: LeaseApi + ?Sized> LeaseApi for Arc<T> {
     }
     fn call(&self, call: LeaseCall) -> Box<dyn ReplyHandle> {
         (**self).call(call)
+    }
+    fn early_pool_id(&self) -> Option<String> {
+        (**self).early_pool_id()
     }
 }
