@@ -29,3 +29,5 @@ run_example transfer_breakdown "transfer engine: time per phase of a job (lease 
 echo "== transfer engine (lmcache-rc bench, cpu backend): store + restore through the sidecar vs memcpy"
 python ci/bench_transfer.py
 run_example shared_bench "shared tier (S3, s3s-fs on loopback): upload / verified download vs raw PUT/GET, cross-host lookup" $quick
+echo "== skip rule (lmcache-rc restore-skip): shared tier with 50 ms injected latency, short prefixes recomputed, long ones restored"
+python -m lmcache_rc restore-skip

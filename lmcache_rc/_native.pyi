@@ -16,6 +16,7 @@ from lmcache_rc.results import (
     DirectoryStatus,
     GenerationInfo,
     ListedGeneration,
+    Located,
     PageGroup,
     RpcStatus,
     ServiceStatus,
@@ -108,6 +109,7 @@ class ServerConfig:
     shared_url: str | None
     shared_lookup_timeout: float
     shared_upload_queue: int
+    shared_inject_latency: float
     def __new__(
         cls,
         *,
@@ -136,6 +138,7 @@ class ServerConfig:
         shared_url: str | None = ...,
         shared_lookup_timeout: float | str = ...,
         shared_upload_queue: int = ...,
+        shared_inject_latency: float | str = ...,
     ) -> ServerConfig: ...
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig: ...
@@ -344,6 +347,9 @@ class _Checkpoints(Generic[_S]):
     # invalidate_namespace: listed generations of one namespace retired; returns how many.
     def invalidate_namespace(self, namespace: str) -> int: ...
     def invalidate_namespace_async(self, namespace: str) -> Future[int]: ...
+    # find_located: find, plus per tier where the found checkpoint's pages sit.
+    def find_located(self, roots: Iterable[Prefix]) -> Located | None: ...
+    def find_located_async(self, roots: Iterable[Prefix]) -> Future[Located | None]: ...
     def slot_array(self, offset: int, length: int) -> npt.NDArray[np.uint8]: ...
     def lease_arrays(self, lease: Lease) -> list[list[npt.NDArray[np.uint8] | None]]: ...
 

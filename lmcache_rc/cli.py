@@ -19,6 +19,9 @@ Sub-commands:
   byte (see :mod:`lmcache_rc.demo`).
 - ``bench``: the transfer engine's store/restore throughput against memcpy
   (see :mod:`lmcache_rc.bench`).
+- ``restore-skip [--json]``: the skip rule on a shared tier with an
+  injected 50 ms latency: short prefixes recomputed, long ones restored,
+  with the estimates, decisions and counts (see :mod:`lmcache_rc.restore_skip`).
 - ``shared gc --shared-url URL --older-than DURATION [--json]``: remove old
   manifests from the shared tier, then the pages no remaining manifest names
   (see :mod:`lmcache_rc.shared`).
@@ -288,6 +291,8 @@ def _status_value(key: str, value: Any) -> str:
         return human_duration(value)
     if key == "checkpoint_index_path" and not value:
         return "in memory (not durable)"
+    if isinstance(value, int) and key.endswith("_bytes_per_s"):
+        return f"{human_size(value)}/s" if value else "0 (not measured)"
     if isinstance(value, int) and _is_size(key):
         return human_size(value)
     return str(value)
@@ -391,6 +396,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     return bench_main(args.mib, args.page_kib, args.rounds, args.json, args.socket)
+
+
+def _cmd_restore_skip(args: argparse.Namespace) -> int:
+    from lmcache_rc.restore_skip import main as skip_main
+
+    return skip_main(as_json=args.json)
 
 
 def _cmd_shared_gc(args: argparse.Namespace) -> int:
@@ -516,6 +527,14 @@ def build_parser() -> argparse.ArgumentParser:
         "when the sidecar's pool has less free space than --mib",
     )
     bench.set_defaults(func=_cmd_bench)
+
+    skip = sub.add_parser(
+        "restore-skip",
+        help="show the skip rule: on a shared tier with 50 ms injected latency, short "
+        "prefixes are recomputed and long ones restored (estimates, decisions, counts)",
+    )
+    skip.add_argument("--json", action="store_true", help="print one JSON object")
+    skip.set_defaults(func=_cmd_restore_skip)
 
     shared = sub.add_parser("shared", help="maintain the shared tier (an object store)")
     shared_sub = shared.add_subparsers(dest="shared_command", required=True)

@@ -18,7 +18,7 @@
 //!   service, test doubles).
 //! - The values ([`Lease`], [`LeaseStatus`], [`Slot`], [`MissReason`],
 //!   [`Capabilities`], [`ServiceStatus`], [`ClearReport`],
-//!   [`GenerationInfo`]) and the versions ([`PROTOCOL_VERSION`],
+//!   [`GenerationInfo`], [`Located`], [`TierLoad`]) and the versions ([`PROTOCOL_VERSION`],
 //!   [`FORMAT_VERSION`]).
 //!
 //! Lease calls that name a lease by id take the caller's `rank` when it
@@ -44,7 +44,8 @@ pub use crate::for_each_operation;
 pub use pending::{Pending, Waitable};
 pub use pool::PoolSource;
 pub use types::{
-    Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, MissReason, ServiceStatus, Slot,
+    Capabilities, ClearReport, GenerationInfo, Lease, LeaseStatus, Located, MissReason,
+    ServiceStatus, Slot, TierLoad,
 };
 
 /// Slot/layout format version announced in capabilities.
@@ -193,6 +194,15 @@ macro_rules! for_each_operation {
                 /// A namespace outside 1..256 characters is refused (`InvalidInput`).
                 13 InvalidateNamespace fn invalidate_namespace / invalidate_namespace_async
                     (namespace: &str) -> u64; py (namespace)
+            }
+            {
+                /// [`find`](Checkpoints::find), and where the found checkpoint's pages
+                /// sit: per tier its pages and bytes (every rank) with the service's
+                /// measured load figures ([`TierLoad`]), so a caller can tell whether
+                /// restoring it beats recomputing it. `None` on a miss.
+                14 FindLocated fn find_located / find_located_async
+                    (roots: &[$crate::identity::Prefix])
+                    -> Option<$crate::protocol::Located>; py (roots)
             }
         }
     };

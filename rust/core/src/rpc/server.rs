@@ -1067,7 +1067,8 @@ fn read_requests(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, stream
 fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, request: Request) {
     // A find with a shared tier may wait for it (up to its lookup timeout).
     let may_wait = matches!(request, Request::PrepareStore { .. })
-        || (matches!(request, Request::Find { .. }) && shared.service.has_shared_tier());
+        || (matches!(request, Request::Find { .. } | Request::FindLocated { .. })
+            && shared.service.has_shared_tier());
     let name = request.name();
     if may_wait && shared.offloaded.fetch_add(1, Ordering::SeqCst) < MAX_OFFLOADED {
         let (s, c, h) = (shared.clone(), conn.clone(), holder.clone());

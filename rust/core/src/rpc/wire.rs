@@ -19,7 +19,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::protocol::{
-    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, ServiceStatus,
+    Capabilities, Checkpoints, ClearReport, GenerationInfo, Lease, Located, ServiceStatus, TierLoad,
 };
 
 /// First bytes of both handshake frames.
@@ -264,6 +264,46 @@ impl ReplyValue for Option<Manifest> {
     }
 }
 
+/// A [`Located`] as carried on the wire (its manifest validated on receipt).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLocated {
+    /// See [`Located::manifest`].
+    pub manifest: WireManifest,
+    /// See [`Located::tiers`].
+    pub tiers: Vec<TierLoad>,
+}
+
+impl From<&Located> for WireLocated {
+    fn from(l: &Located) -> Self {
+        WireLocated {
+            manifest: WireManifest::from(&l.manifest),
+            tiers: l.tiers.clone(),
+        }
+    }
+}
+
+impl ReplyValue for Option<Located> {
+    fn into_value(self) -> Value {
+        Value::Located(self.as_ref().map(WireLocated::from))
+    }
+    fn from_value(value: Value) -> Result<Self> {
+        match value {
+            Value::Located(l) => l
+                .map(|l| {
+                    Ok(Located {
+                        manifest: Manifest::try_from(l.manifest)?,
+                        tiers: l.tiers,
+                    })
+                })
+                .transpose()
+                .map_err(|e: Error| {
+                    Error::Protocol(format!("the server sent an invalid manifest: {e}"))
+                }),
+            other => Err(other.unexpected("Located")),
+        }
+    }
+}
+
 /// Declares [`Request`] (one variant per operation, fields from
 /// [`WireArg`]), its name and its dispatch from the operation table.
 macro_rules! declare_requests {
@@ -344,6 +384,8 @@ pub enum Value {
     Generations(Vec<GenerationInfo>),
     /// 8 — invalidate_namespace.
     Count(u64),
+    /// 9 — find_located (its manifest validated into a [`Manifest`] on receipt).
+    Located(Option<WireLocated>),
 }
 
 impl Value {
@@ -359,6 +401,7 @@ impl Value {
             Value::Clear(_) => "Clear",
             Value::Generations(_) => "Generations",
             Value::Count(_) => "Count",
+            Value::Located(_) => "Located",
         }
     }
 

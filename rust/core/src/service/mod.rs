@@ -15,6 +15,8 @@
 //!   effects (L2 writes, deletes and loads, directory retirements and
 //!   durable flags), and the L2 I/O jobs;
 //! - `admin`: capabilities, status, clear, list, close;
+//! - `costs`: what page loads from L2 and the shared tier cost, measured
+//!   where they run (the figures `find_located` answers with);
 //! - `reclaim`: who holds each lease (a process, or nobody watchable), the
 //!   reclaim of a gone process's leases, and the sweep that also aborts
 //!   abandoned pending generations;
@@ -37,6 +39,7 @@
 //! is deleted from L1 and L2 at once — nothing waits for LRU.
 
 mod admin;
+mod costs;
 mod counters;
 mod open;
 mod reclaim;
@@ -70,8 +73,8 @@ pub use types::{ServiceConfig, SharedSettings};
 
 // The protocol's values, also reachable here (they were born in this module).
 pub use crate::protocol::{
-    Capabilities, ClearReport, FORMAT_VERSION, GenerationInfo, Lease, LeaseStatus, MissReason,
-    PROTOCOL_VERSION, ServiceStatus, Slot,
+    Capabilities, ClearReport, FORMAT_VERSION, GenerationInfo, Lease, LeaseStatus, Located,
+    MissReason, PROTOCOL_VERSION, ServiceStatus, Slot, TierLoad,
 };
 
 /// Everything the service owns, shared with its I/O jobs.
@@ -94,6 +97,8 @@ struct Inner {
     opened: std::time::Instant,
     /// The object keys of recent restores (`retrieve::KeyCache`).
     read_keys: Mutex<retrieve::KeyCache>,
+    /// What page loads from L2 and the shared tier cost (`costs`).
+    meters: costs::Meters,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.
@@ -238,6 +243,9 @@ impl Checkpoints for CheckpointService {
     }
     fn list_generations(&self) -> Result<Vec<GenerationInfo>> {
         admin::list_generations(&self.inner)
+    }
+    fn find_located(&self, roots: &[Prefix]) -> Result<Option<Located>> {
+        retrieve::find_located(&self.inner, roots)
     }
 }
 
