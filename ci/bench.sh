@@ -32,3 +32,5 @@ echo "== eviction policies (lmcache-rc trace replay): compute saved by cost-awar
 python -m lmcache_rc trace replay agentic --sessions 12 --sizes 8M:32M
 python -m lmcache_rc trace replay chat --sessions 100 --sizes 1M:4M
 run_example shared_bench "shared tier (S3, s3s-fs on loopback): upload / verified download vs raw PUT/GET, cross-host lookup" $quick
+echo "== skip rule (lmcache-rc restore-skip): shared tier with 50 ms injected latency, short prefixes recomputed, long ones restored"
+python -m lmcache_rc restore-skip

@@ -17,6 +17,7 @@ from lmcache_rc.results import (
     DirectoryStatus,
     GenerationInfo,
     ListedGeneration,
+    Located,
     PageGroup,
     RpcStatus,
     ServiceStatus,
@@ -116,6 +117,7 @@ class ServerConfig:
     shared_url: str | None
     shared_lookup_timeout: float
     shared_upload_queue: int
+    shared_inject_latency: float
     def __new__(
         cls,
         *,
@@ -145,6 +147,7 @@ class ServerConfig:
         shared_url: str | None = ...,
         shared_lookup_timeout: float | str = ...,
         shared_upload_queue: int = ...,
+        shared_inject_latency: float | str = ...,
     ) -> ServerConfig: ...
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig: ...
@@ -359,6 +362,9 @@ class _Checkpoints(Generic[_S]):
     def changes_async(
         self, since: int, watch: Sequence[str] | None = None
     ) -> Future[ChangeBatch]: ...
+    # find_located: find, plus per tier where the found checkpoint's pages sit.
+    def find_located(self, roots: Iterable[Prefix]) -> Located | None: ...
+    def find_located_async(self, roots: Iterable[Prefix]) -> Future[Located | None]: ...
     def slot_array(self, offset: int, length: int) -> npt.NDArray[np.uint8]: ...
     def lease_arrays(self, lease: Lease) -> list[list[npt.NDArray[np.uint8] | None]]: ...
 

@@ -25,6 +25,9 @@ Sub-commands:
   it against embedded sidecars and compare eviction policies by tokens
   restored, prefill compute saved and bytes written (see
   :mod:`lmcache_rc.trace`).
+- ``restore-skip [--json]``: the skip rule on a shared tier with an
+  injected 50 ms latency: short prefixes recomputed, long ones restored,
+  with the estimates, decisions and counts (see :mod:`lmcache_rc.restore_skip`).
 - ``shared gc --shared-url URL --older-than DURATION [--json]``: remove old
   manifests from the shared tier, then the pages no remaining manifest names
   (see :mod:`lmcache_rc.shared`).
@@ -294,6 +297,8 @@ def _status_value(key: str, value: Any) -> str:
         return human_duration(value)
     if key == "checkpoint_index_path" and not value:
         return "in memory (not durable)"
+    if isinstance(value, int) and key.endswith("_bytes_per_s"):
+        return f"{human_size(value)}/s" if value else "0 (not measured)"
     if isinstance(value, int) and _is_size(key):
         return human_size(value)
     return str(value)
@@ -421,6 +426,12 @@ def _cmd_trace_replay(args: argparse.Namespace) -> int:
     return trace.main_replay(
         args.source, args.policy, sizes, args.shape, args.seed, args.sessions, args.json
     )
+
+
+def _cmd_restore_skip(args: argparse.Namespace) -> int:
+    from lmcache_rc.restore_skip import main as skip_main
+
+    return skip_main(as_json=args.json)
 
 
 def _cmd_shared_gc(args: argparse.Namespace) -> int:
@@ -591,6 +602,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep_p.add_argument("--json", action="store_true", help="print one JSON object")
     rep_p.set_defaults(func=_cmd_trace_replay)
+    skip = sub.add_parser(
+        "restore-skip",
+        help="show the skip rule: on a shared tier with 50 ms injected latency, short "
+        "prefixes are recomputed and long ones restored (estimates, decisions, counts)",
+    )
+    skip.add_argument("--json", action="store_true", help="print one JSON object")
+    skip.set_defaults(func=_cmd_restore_skip)
 
     shared = sub.add_parser("shared", help="maintain the shared tier (an object store)")
     shared_sub = shared.add_subparsers(dest="shared_command", required=True)

@@ -20,10 +20,12 @@ __all__ = [
     "DirectoryStatus",
     "GenerationInfo",
     "ListedGeneration",
+    "Located",
     "PageGroup",
     "RpcStatus",
     "ServiceStatus",
     "StopReport",
+    "TierLoad",
 ]
 
 
@@ -145,6 +147,22 @@ class ServiceStatus(TypedDict):
     shared_fetch_missing: int
     shared_errors: int
     shared_requests: int
+    l2_load_latency_us: int
+    """Moving average of one L2 page load's time until its bytes arrive
+    (file opened, header read), microseconds; 0 until ``l2_load_samples``."""
+    l2_load_bytes_per_s: int
+    """Moving average of the rate an L2 page load moves its bytes (read,
+    verified), bytes per second; 0 until ``l2_load_samples``."""
+    l2_load_samples: int
+    """L2 page loads measured."""
+    shared_load_latency_us: int
+    """Moving average of one shared-tier page fetch's time until the store
+    answered its GET, microseconds; 0 until ``shared_load_samples``."""
+    shared_load_bytes_per_s: int
+    """Moving average of the rate a shared-tier fetch moves its bytes (read,
+    verified, copied into L1), bytes per second."""
+    shared_load_samples: int
+    """Shared-tier page fetches measured."""
     uptime_seconds: int
     """Whole seconds since the service opened."""
     misses: dict[str, int]
@@ -233,6 +251,34 @@ class ChangeBatch(TypedDict):
     changes: list[Change]
     watched: list[str | None]
     """The tier of each watched generation now, None where not listed."""
+
+
+class TierLoad(TypedDict):
+    """Where pages of a found checkpoint sit in one tier, and what the
+    sidecar measured loading from that tier (an entry of
+    :class:`Located` ``["tiers"]``). ``samples`` 0: no figures yet
+    (``latency_us`` and ``bytes_per_s`` are then 0 and mean unknown)."""
+
+    tier: str
+    """``l1``, ``l2`` or ``shared`` (ignore a tier you do not know)."""
+    pages: int
+    bytes: int
+    samples: int
+    latency_us: int
+    """Moving average of one page load's time until its bytes arrive."""
+    bytes_per_s: int
+    """Moving average of one page load's rate once its bytes arrive."""
+    parallelism: int
+    """Page loads the tier runs at once."""
+
+
+class Located(TypedDict):
+    """A ``find_located()`` answer: the candidate ``find()`` would answer,
+    and per tier holding pages of it (in the order l1, l2, shared) what
+    restoring from there costs."""
+
+    manifest: Manifest
+    tiers: list[TierLoad]
 
 
 class StopReport(TypedDict):

@@ -58,6 +58,9 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "lmcache_rc_l2_errors": ("counter", "kind"),
     "lmcache_rc_reclaimed_leases": ("counter", "kind"),
     "lmcache_rc_clears": ("counter", None),
+    "lmcache_rc_tier_load_latency_microseconds": ("gauge", "tier"),
+    "lmcache_rc_tier_load_rate": ("gauge", "tier"),
+    "lmcache_rc_tier_loads_measured": ("counter", "tier"),
 }
 
 
@@ -195,6 +198,7 @@ def test_metrics_follow_the_prometheus_conventions(sidecar: tuple[str, str]) -> 
 
     assert label_values("lmcache_rc_tier_used_bytes", "tier") == {"L1", "L2"}
     assert label_values("lmcache_rc_tier_capacity_bytes", "tier") == {"L1", "L2"}
+    assert label_values("lmcache_rc_tier_load_latency_microseconds", "tier") == {"L2", "shared"}
     assert label_values("lmcache_rc_leases", "kind") == {"store", "retrieve"}
     assert label_values("lmcache_rc_lookups", "result") == {"hit", "miss"}
     assert label_values("lmcache_rc_store_pages", "result") == {"written", "reused"}

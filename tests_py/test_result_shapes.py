@@ -41,7 +41,7 @@ def test_service_and_server_results_match_their_typed_dicts(tmp_path: Path) -> N
             assert all(isinstance(v, int) for k, v in status.items() if k not in facts)
             assert status["socket"] == server.socket_path and status["l2_path"] is None
             assert_shape(server.status(), results.RpcStatus)
-            m, _ = make_manifest(list(range(32)), world=1)
+            m, token_roots = make_manifest(list(range(32)), world=1)
             assert client.begin(m)
             lease = client.prepare_store(m, 0)
             for arrays in client.lease_arrays(lease):
@@ -56,6 +56,17 @@ def test_service_and_server_results_match_their_typed_dicts(tmp_path: Path) -> N
             assert_shape(batch, results.ChangeBatch)
             assert_shape(batch["changes"][0], results.Change)
             assert batch["watched"] == ["l1"]
+            located = client.find_located(token_roots.roots)
+            assert located is not None and set(located) == {"manifest", "tiers"}
+            assert located["manifest"] == m
+            (tier,) = located["tiers"]
+            assert_shape(tier, results.TierLoad)
+            assert (tier["tier"], tier["samples"], tier["parallelism"]) == ("l1", 0, 1)
+            assert tier["bytes"] == sum(
+                g["page_bytes"] * len(g["positions"]) for g in m.page_groups()
+            )
+            other = rc.TokenRoots.build(m.prefix.namespace, [7, 7, 7]).roots
+            assert client.find_located_async(other).result(timeout=30) is None
             assert_shape(client.clear(), results.ClearReport)
             assert_shape(client.status_async().result(timeout=30), results.RpcStatus)
             assert_shape(m.page_groups()[0], results.PageGroup)

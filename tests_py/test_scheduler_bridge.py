@@ -28,6 +28,7 @@ from lmcache_rc import errors
 from lmcache_rc.vllm.api import CheckpointEngineTask
 from lmcache_rc.vllm.boundary import CheckpointSchedulerBridge
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.vllm.restore_cost import PrefillMeter, SkipRule
 
 PAGE = 4096
 BLOCK = 4
@@ -348,19 +349,37 @@ class FailedFuture:
         raise self.error
 
 
+class DoneFuture:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
 class WrappedClient:
-    """A real client whose FIND / BEGIN can be replaced per test; records aborts."""
+    """A real client whose FIND / FIND_LOCATED / BEGIN can be replaced per
+    test; records aborts."""
 
     def __init__(self, client: rc.Client) -> None:
         self.client = client
         self.find: Callable[[Iterable[rc.Prefix]], Any] | None = None
+        self.located: Callable[[Iterable[rc.Prefix]], Any] | None = None
         self.begin: Callable[[rc.Manifest], Any] | None = None
         self.aborted: list[str] = []
         self.finds = 0
+        self.located_finds = 0
 
     def find_async(self, roots: Iterable[rc.Prefix]) -> Any:
         self.finds += 1
         return (self.find or self.client.find_async)(roots)
+
+    def find_located_async(self, roots: Iterable[rc.Prefix]) -> Any:
+        self.located_finds += 1
+        return (self.located or self.client.find_located_async)(roots)
 
     def begin_async(self, manifest: rc.Manifest) -> Any:
         return (self.begin or self.client.begin_async)(manifest)
@@ -1144,3 +1163,112 @@ def test_report_status_is_plain_data(client: WrappedClient) -> None:
     json.dumps(status)
     assert status["layout_negotiated"] is True
     assert "<table>" in bridge._repr_html_()
+
+
+# --------------------------------------------------------------------------- the skip rule
+
+
+def skip_rule(per_token: float = 1e-3, **kw: Any) -> SkipRule:
+    return SkipRule(
+        enabled=kw.pop("enabled", True),
+        threshold=kw.pop("threshold", 1.0),
+        meter=PrefillMeter(per_token),
+    )
+
+
+def slow_tier(client: WrappedClient, samples: int = 5) -> None:
+    """FIND_LOCATED answers the real candidate as if its 3 pages sat in a
+    shared tier measured at 50 ms per fetch."""
+
+    def located(roots: Iterable[rc.Prefix]) -> Any:
+        manifest = client.client.find(list(roots))
+        if manifest is None:
+            return DoneFuture(None)
+        tier = {
+            "tier": "shared",
+            "pages": 3,
+            "bytes": 3 * PAGE,
+            "samples": samples,
+            "latency_us": 50_000 if samples else 0,
+            "bytes_per_s": 10**9 if samples else 0,
+            "parallelism": 4,
+        }
+        return DoneFuture({"manifest": manifest, "tiers": [tier]})
+
+    client.located = located
+
+
+def test_a_restore_slower_than_recomputing_is_skipped_and_counted(
+    client: WrappedClient,
+) -> None:
+    bridge, manager, _ = make_bridge(client, skip_rule=skip_rule())
+    store_through(bridge, client, manager, 11)
+    slow_tier(client)
+    consumer = Req("c", [*TOKENS, 7, 8])
+    assert drive_poll(bridge, consumer) is None, "admitted at once: nothing to wait for"
+    assert (client.located_finds, client.finds) == (1, 0)
+    assert manager.reserves == []
+    counters = bridge.report_status()["counters"]
+    assert counters["restores_skipped_cheaper_to_recompute"] == 1
+    assert counters["tokens_recomputed_instead"] == 11
+    assert "restores_started" not in counters
+    (decision,) = bridge.report_status()["restore_cost"]["recent"]
+    assert decision["skip"] and decision["tokens"] == 11
+    assert decision["recompute_s"] == pytest.approx(0.011)
+    assert bridge.poll(consumer) is True
+    bridge.request_finished(consumer)
+    assert not bridge.has_pending_work()
+    manager.assert_balanced()
+    idle(client)
+
+
+@pytest.mark.parametrize(
+    "case", ["no-figures", "high-threshold", "rule-off", "l1"], ids=lambda c: c
+)
+def test_a_restore_is_kept_without_figures_above_the_threshold_or_with_the_rule_off(
+    client: WrappedClient, case: str
+) -> None:
+    rule = {
+        "high-threshold": skip_rule(threshold=10.0),
+        "rule-off": skip_rule(enabled=False),
+    }.get(case, skip_rule())
+    bridge, manager, _ = make_bridge(client, skip_rule=rule)
+    store_through(bridge, client, manager, 11)
+    if case != "l1":  # l1: the sidecar's real answer, every page in L1
+        slow_tier(client, samples=0 if case == "no-figures" else 5)
+    consumer = Req("c", [*TOKENS, 7, 8])
+    tasks = drive_poll(bridge, consumer)
+    assert tasks is not None and [t.direction for t in tasks] == ["RETRIEVE"]
+    if case == "rule-off":
+        assert (client.located_finds, client.finds) == (0, 1), "plain FINDs"
+    else:
+        assert (client.located_finds, client.finds) == (1, 0)
+    bridge.update(output(run_ranks(client.client, tasks)))
+    assert bridge.poll(consumer) is True
+    counters = bridge.report_status()["counters"]
+    assert counters["restores_published"] == 1
+    assert "restores_skipped_cheaper_to_recompute" not in counters
+    bridge.request_finished(consumer)
+    manager.assert_balanced()
+    idle(client)
+
+
+def test_a_sidecar_without_find_located_gets_plain_finds(client: WrappedClient) -> None:
+    bridge, manager, _ = make_bridge(client, skip_rule=skip_rule())
+    store_through(bridge, client, manager, 11)
+    client.located = lambda roots: FailedFuture(errors.ProtocolError("unknown variant 14"))
+    consumer = Req("c", [*TOKENS, 7, 8])
+    tasks = drive_poll(bridge, consumer)
+    assert tasks is not None and [t.direction for t in tasks] == ["RETRIEVE"]
+    assert (client.located_finds, client.finds) == (1, 1), "the same lookup, sent again"
+    assert bridge.report_status()["restore_cost"]["find_located"] is False
+    assert "lookup_find-error" not in bridge.report_status()["counters"]
+    bridge.update(output(run_ranks(client.client, tasks)))
+    assert bridge.poll(consumer) is True
+    bridge.request_finished(consumer)
+    other = Req("d", [*TOKENS[:6], 9, 9, 9])  # no checkpoint: a miss
+    assert drive_poll(bridge, other) is None
+    assert (client.located_finds, client.finds) == (1, 2), "no find_located any more"
+    bridge.request_finished(other)
+    manager.assert_balanced()
+    idle(client)

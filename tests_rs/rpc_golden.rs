@@ -6,15 +6,21 @@
 //!
 //! Regenerate the fixtures only with a protocol version bump:
 //! `LMCACHE_RC_BLESS_WIRE=1 cargo test -p lmcache-rc-core --test integration rpc_golden`.
+//! An operation or value variant appended within a version (append only,
+//! `docs/design/wire-protocol.md`, e.g. `find_located`) is blessed the same
+//! way: it adds its own files, and every existing file must come out
+//! byte-identical (no change in `git status`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use lmcache_rc_core::protocol::{
     Capabilities, Change, ChangeBatch, ClearReport, GenerationInfo, Lease, MissReason, OPERATIONS,
-    ServiceStatus,
+    ServiceStatus, TierLoad,
 };
-use lmcache_rc_core::rpc::wire::{self, Reply, Request, Value, WireManifest, WirePrefix};
+use lmcache_rc_core::rpc::wire::{
+    self, Reply, Request, Value, WireLocated, WireManifest, WirePrefix,
+};
 use lmcache_rc_core::{ErrorKind, Manifest, TokenRoots, checkpoint_generation};
 
 /// The request id every fixture frame carries.
@@ -37,6 +43,7 @@ const TAGS: &[(&str, u8)] = &[
     ("list_generations", 12),
     ("invalidate_namespace", 13),
     ("changes", 14),
+    ("find_located", 15),
 ];
 
 fn fixtures() -> PathBuf {
@@ -140,6 +147,7 @@ fn requests() -> Vec<(&'static str, Request)> {
                 watch: vec!["recurrent-content-v1:abc".into()],
             },
         ),
+        ("find_located", Request::FindLocated { roots: roots() }),
     ]
 }
 
@@ -240,6 +248,33 @@ fn replies() -> Vec<(&'static str, Reply)> {
         ("list_generations", ok(Value::Generations(generations))),
         ("invalidate_namespace", ok(Value::Count(300))),
         ("changes", ok(Value::Changes(changes))),
+        (
+            "find_located",
+            ok(Value::Located(Some(WireLocated {
+                manifest: WireManifest::from(&manifest()),
+                tiers: vec![
+                    TierLoad {
+                        tier: "l1".into(),
+                        pages: 2,
+                        bytes: 8192,
+                        samples: 0,
+                        latency_us: 0,
+                        bytes_per_s: 0,
+                        parallelism: 1,
+                    },
+                    TierLoad {
+                        tier: "shared".into(),
+                        pages: 300,
+                        bytes: 1 << 30,
+                        samples: 70_000,
+                        latency_us: 50_000,
+                        bytes_per_s: u64::MAX,
+                        parallelism: 4,
+                    },
+                ],
+            }))),
+        ),
+        ("find_located.miss", ok(Value::Located(None))),
         (
             "error",
             Reply::error(

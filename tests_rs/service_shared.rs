@@ -16,7 +16,10 @@ use lmcache_rc_core::service::{CheckpointService, ServiceConfig, SharedSettings}
 use crate::s3_server::{ACCESS_KEY, S3Server, SECRET_KEY};
 use crate::service_common::*;
 
-both_ways!(a_generation_stored_on_one_host_restores_byte_exact_on_another);
+both_ways!(
+    a_generation_stored_on_one_host_restores_byte_exact_on_another,
+    find_located_says_where_the_pages_sit_and_what_loading_them_costs,
+);
 
 const NS_OTHER: &str = "recurrent-sha256-v1:service-suite-other";
 
@@ -317,4 +320,96 @@ fn a_full_upload_queue_drops_the_oldest_upload() {
     assert!(stat(&a, "shared_uploads_dropped") >= 2);
     assert!(stat(&a, "shared_upload_queue") <= 2);
     assert_eq!(stat(&a, "shared_uploads_queued"), 4);
+}
+
+/// A host whose shared tier is the directory `shared` (`file://`), every
+/// request to it held `latency` (the test-only `inject_latency`).
+fn file_host(dir: &Path, shared: &Path, latency: Duration) -> ServiceConfig {
+    ServiceConfig {
+        shared: Some(SharedSettings {
+            lookup_timeout: Duration::from_secs(10),
+            inject_latency: latency,
+            ..SharedSettings::new(format!("file://{}", shared.display()))
+        }),
+        ..durable_config("shared-file-host", dir)
+    }
+}
+
+/// `(tier, pages, bytes)` of a `find_located` answer.
+fn residency(found: &lmcache_rc_core::protocol::Located) -> Vec<(String, u64, u64)> {
+    found
+        .tiers
+        .iter()
+        .map(|t| (t.tier.clone(), t.pages, t.bytes))
+        .collect()
+}
+
+/// `find_located` answers what `find` answers plus where the pages sit: in
+/// the shared tier only on a host that imported the checkpoint, in L1 once
+/// restored, in L2 once L1 was cleared. Loads from L2 and the shared tier
+/// are measured (status and the answer carry the figures); the injected
+/// latency is a floor of what a shared fetch measures.
+fn find_located_says_where_the_pages_sit_and_what_loading_them_costs<T: Target>() {
+    let (dir_a, dir_b, shared) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let latency = Duration::from_millis(20);
+    let a = T::open(file_host(dir_a.path(), shared.path(), Duration::ZERO)).unwrap();
+    let b = T::open(file_host(dir_b.path(), shared.path(), latency)).unwrap();
+    let m = turn(NS, 300, 64);
+    let bytes: u64 = key_sizes(&m).values().sum();
+    let pages = all_keys(&m).len() as u64;
+    store_all(&a, &m);
+    settle(&a);
+    wait_uploads(&a, 1);
+    let located = a.find_located(&query(NS, 300, 80)).unwrap().unwrap();
+    assert_eq!(located.manifest, m);
+    assert_eq!(residency(&located), [("l1".to_string(), pages, bytes)]);
+    assert_eq!(located.tiers[0].parallelism, 1);
+
+    // B imports it: every page is in the shared tier only, nothing measured yet.
+    assert_eq!(stat(&b, "shared_load_samples"), 0);
+    let located = b.find_located(&query(NS, 300, 80)).unwrap().unwrap();
+    assert_eq!(located.manifest, m);
+    assert_eq!(residency(&located), [("shared".to_string(), pages, bytes)]);
+    let t = &located.tiers[0];
+    assert_eq!((t.samples, t.latency_us, t.bytes_per_s), (0, 0, 0));
+    assert_eq!(t.parallelism, 4, "the default fetch threads");
+    restore_all(&b, &m);
+    assert_eq!(stat(&b, "shared_load_samples"), pages);
+    assert!(
+        stat(&b, "shared_load_latency_us") >= latency.as_micros() as u64,
+        "every fetch waited the injected latency: {}",
+        stat(&b, "shared_load_latency_us")
+    );
+    assert!(stat(&b, "shared_load_bytes_per_s") > 0);
+
+    // Restored: in L1 now.
+    let located = b.find_located(&query(NS, 300, 80)).unwrap().unwrap();
+    assert_eq!(residency(&located), [("l1".to_string(), pages, bytes)]);
+    // Written to L2 and dropped from L1: loads from L2, measured too.
+    settle(&b);
+    b.clear(false, false).unwrap();
+    let located = b.find_located(&query(NS, 300, 80)).unwrap().unwrap();
+    assert_eq!(residency(&located), [("l2".to_string(), pages, bytes)]);
+    assert_eq!(
+        located.tiers[0].parallelism, 2,
+        "the default L2 I/O threads"
+    );
+    assert_eq!(stat(&b, "l2_load_samples"), 0);
+    restore_all(&b, &m);
+    assert_eq!(stat(&b, "l2_load_samples"), pages);
+    let located = b.find_located(&query(NS, 300, 80)).unwrap().unwrap();
+    assert_eq!(residency(&located), [("l1".to_string(), pages, bytes)]);
+    // The shared figures travel with a shared-tier answer; a miss is None.
+    assert_eq!(b.find_located(&query(NS, 999, 80)).unwrap(), None);
+    assert_eq!(
+        b.find(&query(NS, 300, 80)).unwrap().as_ref(),
+        Some(&m),
+        "find answers the same candidate"
+    );
+    assert_idle(&a);
+    assert_idle(&b);
 }

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import EngineFactory, Sidecar
-from harness import Engine, ToyModel, cdiv
+from harness import Engine, EngineSpec, ToyModel, cdiv
 
 import lmcache_rc as rc
 
@@ -484,3 +484,115 @@ def test_shutdown_right_after_the_last_step_publishes_the_response_store(
     assert _listed(sidecar, 75, 30)
     status = sidecar.status()
     assert status["pending"] == 0 and status["store_leases"] == 0, status
+
+
+def test_a_slow_shared_tier_restores_long_prefixes_and_recomputes_short_ones(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The skip rule under vLLM's scheduler (``docs/vllm.md``, "Restore only
+    when it beats recomputing"): host A stores to a shared tier on a local
+    directory; host B reaches it with 50 ms injected per request and its
+    engine's recompute cost is configured (0.35 ms per token). B restores a
+    long prefix first (nothing measured yet), then skips the short one (one
+    block of 128 tokens: at least one 50 ms fetch against 45 ms of
+    recompute), then restores the other long one (5 rounds of 4 fetches,
+    about 250 ms, against 0.7 s of recompute). Decisions only, never
+    timings, are asserted."""
+    block = 128
+    shared = tmp_path / "shared"
+
+    def server(name: str, latency: float) -> Any:
+        return rc.Server.start(
+            rc.ServerConfig(
+                socket=str(tmp_path / f"{name}.sock"),
+                l1_bytes=64 << 20,
+                http_port=-1,
+                shared_url=f"file://{shared}",
+                shared_lookup_timeout=30.0,
+                shared_inject_latency=latency,
+            )
+        )
+
+    def engine(srv: Any, **options: Any) -> Engine:
+        extra = {
+            "lmcache_rc.socket": srv.socket_path,
+            "lmcache_rc.checkpoint_identity": {
+                "target_revision": "a" * 40,
+                "source_revision": "b" * 40,
+            },
+            "lmcache_rc.layout_timeout": 30.0,
+            **{f"lmcache_rc.{k}": v for k, v in options.items()},
+        }
+        return Engine(
+            EngineSpec(
+                model_dir=model_dir,
+                extra_config=extra,
+                block_size=block,
+                num_blocks=256,
+                max_model_len=4096,
+            )
+        )
+
+    prompts = {
+        "long-1": tokens(61, 2048 + 10),
+        "short": tokens(62, 140),
+        "long-2": tokens(63, 2048 + 10),
+    }
+    extension = tokens(64, 6)
+    host_a, host_b = server("a", 0.0), server("b", 0.05)
+    engines: list[Engine] = []
+    try:
+        a = engine(host_a)
+        engines.append(a)
+        for name, prompt in prompts.items():
+            assert a.generate(f"a-{name}", prompt, 2) == ToyModel.reference(prompt, 2)
+        a.run()
+        deadline = time.monotonic() + 60
+        while True:
+            st = host_a.status()
+            uploaded = st["shared_manifests_written"] + st["shared_manifests_present"]
+            if uploaded >= st["generations"] and st["shared_upload_queue"] == 0:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.02)
+
+        b = engine(host_b, prefill_seconds_per_token=0.00035)
+        engines.append(b)
+        rows = []
+        for name, prompt in prompts.items():
+            before = restored(b)
+            longer = prompt + extension
+            assert b.generate(f"b-{name}", longer, 2) == ToyModel.reference(longer, 2)
+            assert b.connector is not None and b.connector.upstream is not None
+            decision = b.connector.upstream.report_status()["restore_cost"]["recent"][-1]
+            assert decision["request_id"] == f"b-{name}"
+            rows.append((name, decision, restored(b) - before))
+        with capsys.disabled():
+            print()
+            for name, d, got in rows:
+                est = "-" if d["restore_s"] is None else f"{d['restore_s'] * 1000:.1f} ms"
+                print(
+                    f"{name:<7} checkpoint {d['tokens']:>5} tokens, {d['pages']:>3} pages "
+                    f"{sorted(d['tiers'])}: restore {est:>9} vs recompute "
+                    f"{d['recompute_s'] * 1000:7.1f} ms -> "
+                    f"{'recompute' if d['skip'] else 'restore'} ({got} tokens restored)"
+                )
+            c = counters(b)
+            print(
+                "restores_skipped_cheaper_to_recompute="
+                f"{c.get('restores_skipped_cheaper_to_recompute', 0)} "
+                f"restores_done={c.get('restores_done', 0)} "
+                f"tokens_restored={c.get('tokens_restored', 0)}"
+            )
+        (_, d1, got1), (_, d2, got2), (_, d3, got3) = rows
+        assert not d1["skip"] and d1["restore_s"] is None and got1 == 2048, rows
+        assert d2["skip"] and d2["tokens"] == block and got2 == 0, rows
+        assert not d3["skip"] and d3["restore_s"] is not None and got3 == 2048, rows
+        assert counters(b)["restores_skipped_cheaper_to_recompute"] == 1
+        assert counters(b)["restores_done"] == 2
+        assert host_b.status()["shared_load_latency_us"] >= 50_000
+    finally:
+        for e in engines:
+            e.shutdown()
+        host_a.stop()
+        host_b.stop()

@@ -54,6 +54,7 @@ from lmcache_rc.vllm.common import (
 )
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import OPTION_DEFAULTS
+from lmcache_rc.vllm.restore_cost import SkipRule
 from lmcache_rc.vllm.sidecar import SidecarClient
 
 __all__ = ["CheckpointSchedulerBridge"]
@@ -147,6 +148,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         task_timeout: float | None = None,
         layout_timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        skip_rule: SkipRule | None = None,
     ) -> None:
         if manager.boundary_checkpoints is None:
             raise ValueError("the KV cache manager has no boundary-checkpoint cache")
@@ -161,6 +163,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
             layout_timeout=layout_timeout,
             validate=_check_page_bytes,
             clock=clock,
+            skip_rule=skip_rule,
         )
         self._manager = manager
         self._cache = manager.boundary_checkpoints
@@ -307,8 +310,11 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         meta = self._validate_found(request, found)
         if meta is None:
             return self._end(lookup, "incompatible")
-        if self._local_tokens(request) >= meta.num_tokens:
+        local = self._local_tokens(request)
+        if local >= meta.num_tokens:
             return self._end(lookup, "local-at-least-as-long")
+        if self._skip_restore(lookup, meta.num_tokens - local):
+            return True  # cheaper to recompute: the lookup ended, admit the request
         lookup.manifest = found
         lookup.meta = meta
         lookup.phase = _WAITING
@@ -597,6 +603,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
 
     def build_meta(self, scheduler_output: Any = None) -> CheckpointConnectorMetadata:
         """``build_connector_meta``: the tasks admitted since the last call, each once."""
+        self._step_scheduled(scheduler_output)
         self._negotiation_settled()
         self._pump_begins()
         return CheckpointConnectorMetadata(self._send_tasks(self._max_in_flight))

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import lmcache_rc as rc
+from lmcache_rc import errors
 from lmcache_rc.vllm.api import CheckpointEngineTask, Direction
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
+from lmcache_rc.vllm.restore_cost import PrefillMeter, SkipRule, TierLoad
 from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
 
 __all__ = [
@@ -94,6 +96,14 @@ class Lookup:
     """The RETRIEVE task restoring it."""
     reason: str = ""
     """Why it ended (``lookup_<reason>`` is the counter)."""
+    tiers: tuple[TierLoad, ...] | None = None
+    """Where the found checkpoint's pages sit (a ``find_located`` answer;
+    None after a plain FIND)."""
+    located: bool = False
+    """Whether the FIND in flight is a ``find_located``."""
+    query: tuple[rc.Prefix, ...] = ()
+    """The roots of the ``find_located`` in flight (sent again as a plain
+    FIND by a sidecar that refuses it)."""
 
 
 class DisableConnector(Exception):
@@ -356,6 +366,7 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         layout_timeout: float | None,
         validate: Callable[[int, Mapping[str, Any]], None] | None,
         clock: Callable[[], float],
+        skip_rule: SkipRule | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -375,6 +386,10 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         self._background: list[SidecarFuture] = []
         self._counters: Counter[str] = Counter()
         self._closed = False
+        self._skip = skip_rule or SkipRule(enabled=False, threshold=1.0, meter=PrefillMeter())
+        # Lookups ask where pages sit only for the skip rule, and only while
+        # the sidecar answers it (an older one refuses find_located).
+        self._located = self._skip.enabled and self._client.supports_located
 
     # ------------------------------------------------------------------ layout
 
@@ -404,8 +419,15 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         lookup.attempts += 1
         lookup.started = self._clock()
         lookup.manifest = None
+        lookup.tiers = None
+        lookup.located = self._located
         try:
-            lookup.future = self._client.find_async(roots())
+            if lookup.located:
+                # kept until answered: sent again as a plain FIND if refused
+                lookup.query = tuple(roots())
+                lookup.future = self._client.find_located_async(lookup.query)
+            else:
+                lookup.future = self._client.find_async(roots())
         except Exception as e:  # the sidecar is down or the request cannot be keyed
             logger.warning("checkpoint lookup for %s failed to start: %s", lookup.request_id, e)
             self._finish_lookup(lookup, "find-error")
@@ -418,24 +440,77 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         """Where the FIND in flight stands: ``(False, None)`` while pending;
         ``(True, manifest)`` answered; ``(True, None)`` when it gave nothing
         (miss, timeout, error: the lookup ended)."""
-        future = lookup.future
+        future: SidecarFuture | None = lookup.future
         assert future is not None
+        if lookup.located and future.done():
+            try:
+                future = _Answered(future.result(0))
+            except errors.ProtocolError as e:
+                # A sidecar without find_located: plain FINDs from now on (this
+                # one again at once, not counted as another attempt).
+                logger.warning(
+                    "the lmcache-rc sidecar does not answer find_located (%s): restores are "
+                    "not weighed against recomputing; upgrade the sidecar for "
+                    "lmcache_rc.skip_cheaper_recompute",
+                    e,
+                )
+                self._located = False
+                lookup.located = False
+                query, lookup.query = lookup.query, ()
+                try:
+                    lookup.future = self._client.find_async(query)
+                except Exception as e2:
+                    logger.warning("checkpoint lookup for %s failed: %s", lookup.request_id, e2)
+                    self._finish_lookup(lookup, "find-error")
+                    return True, None
+                return False, None
+            except Exception as e:
+                future = _Answered(error=e)
         outcome, found = poll_find(
             future, lookup.started, self._lookup_timeout, self._clock(), lookup.request_id
         )
         if outcome == "pending":
             return False, None
         lookup.future = None
+        lookup.query = ()
+        if isinstance(found, Mapping):  # a find_located answer
+            lookup.tiers = tuple(TierLoad.from_reply(t) for t in found.get("tiers", ()))
+            found = found["manifest"]
         if found is None:
             self._finish_lookup(lookup, outcome)
         return True, found
 
-    def _finish_lookup(self, lookup: Lookup, reason: str) -> None:
-        """Ends a lookup without a restore (counted as ``lookup_<reason>``)."""
+    def _skip_restore(self, lookup: Lookup, tokens: int) -> bool:
+        """The skip rule: True (and the lookup ended, counted as
+        ``restores_skipped_cheaper_to_recompute``) when restoring ``tokens``
+        tokens from where the found checkpoint sits is estimated to take
+        longer than recomputing them."""
+        if lookup.tiers is None or not self._skip.enabled:
+            return False
+        decision = self._skip.decide(lookup.request_id, tokens, lookup.tiers)
+        if not decision.skip:
+            return False
+        logger.debug(
+            "restore for %s skipped: %d tokens, load %.4f s > %g x recompute %.4f s",
+            lookup.request_id,
+            tokens,
+            decision.restore_s,
+            self._skip.threshold,
+            decision.recompute_s,
+        )
+        self._counters["tokens_recomputed_instead"] += tokens
+        self._finish_lookup(
+            lookup, "cheaper-to-recompute", counter="restores_skipped_cheaper_to_recompute"
+        )
+        return True
+
+    def _finish_lookup(self, lookup: Lookup, reason: str, counter: str | None = None) -> None:
+        """Ends a lookup without a restore (counted as ``counter``, by
+        default ``lookup_<reason>``)."""
         lookup.phase = RestorePhase.DONE
         lookup.reason = reason
         lookup.future = None
-        self._counters[f"lookup_{reason}"] += 1
+        self._counters[counter or f"lookup_{reason}"] += 1
         self._lookup_ended(lookup)
 
     def _lookup_ended(self, lookup: Lookup) -> None:
@@ -548,6 +623,13 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         """The task as the worker ranks receive it."""
         raise NotImplementedError
 
+    def _step_scheduled(self, scheduler_output: Any) -> None:
+        """``build_connector_meta``: a step starts; the prefill meter times
+        it until its output comes back (:meth:`update`)."""
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            self._skip.meter.scheduled(self._clock(), tokens)
+
     def update(self, connector_output: Any) -> None:
         """``update_connector_output``: take layouts and rank results.
 
@@ -555,6 +637,7 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         outside ``0..world_size-1``, a rank reporting one task twice, an
         unknown task id): those are bugs or misconfiguration, not misses.
         """
+        self._skip.meter.finished(self._clock())
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if meta is None:
             return
@@ -598,6 +681,7 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
             },
             "pending_begins": len(self._begins),
             "counters": dict(sorted(self._counters.items())),
+            "restore_cost": {**self._skip.report(), "find_located": self._located},
         }
 
     def close(self) -> None:
@@ -627,6 +711,23 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
             text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
             rows.append(f"<tr><th>{html.escape(key)}</th><td>{html.escape(text)}</td></tr>")
         return f"<table><caption>{html.escape(caption)}</caption>" + "".join(rows) + "</table>"
+
+
+class _Answered:
+    """A finished future's outcome, read once (a ``find_located`` reply is
+    inspected before :func:`poll_find` sees it)."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value = value
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def poll_find(

@@ -80,6 +80,7 @@ from lmcache_rc.vllm.options import (
     is_speculative,
     parse_options,
 )
+from lmcache_rc.vllm.restore_cost import SkipRule
 from lmcache_rc.vllm.sidecar import SidecarClient, connect
 from lmcache_rc.vllm.support import refusal
 from lmcache_rc.vllm.upstream import UpstreamScheduler
@@ -534,6 +535,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             task_timeout=o.task_timeout or None,
             layout_timeout=o.layout_timeout or None,
             clock=self.clock,
+            skip_rule=SkipRule.from_options(o),
         )
 
     def poll_boundary_checkpoint(self, request: Any) -> bool:

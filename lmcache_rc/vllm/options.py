@@ -79,6 +79,7 @@ _KINDS: Mapping[str, type] = {
     "boolean": bool,
     "socket": str,
     "identity": dict,
+    "ratio": float,
 }
 """Each option kind and the Python type its parsed value has."""
 
@@ -91,8 +92,9 @@ class Option:
     """Its name without the ``lmcache_rc.`` prefix."""
     kind: str
     """``seconds`` (a non-negative number), ``integer`` (in ``low..high``),
-    ``choice`` (one of ``choices``), ``boolean``, ``socket`` or ``identity``
-    (parsed by :func:`parse_options` itself)."""
+    ``choice`` (one of ``choices``), ``boolean``, ``ratio`` (a positive
+    number), ``socket`` or ``identity`` (parsed by :func:`parse_options`
+    itself)."""
     default: Any
     doc: str
     """What it means (both modes), for ``docs/vllm.md``."""
@@ -144,6 +146,13 @@ class Option:
             if not isinstance(value, bool):
                 raise _bad(name, f"must be true or false, got {value!r}")
             return value
+        if self.kind == "ratio":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _bad(name, f"must be a positive number, got {value!r}")
+            r = float(value)
+            if not math.isfinite(r) or r <= 0:
+                raise _bad(name, f"must be a positive number, got {value!r}")
+            return r
         raise TypeError(f"option {name} ({self.kind}) is parsed by parse_options")
 
     def shown_default(self) -> str:
@@ -156,6 +165,8 @@ class Option:
             return f"{text} (0 = {self.zero})" if self.zero else text
         if isinstance(d, bool):
             return f"`{str(d).lower()}`"
+        if self.kind == "ratio":
+            return f"{d:g}"
         if isinstance(d, str):
             return f"`{d}`"
         return str(d)
@@ -335,6 +346,29 @@ OPTIONS: tuple[Option, ...] = (
         high=1 << 24,
         boundary="upstream mode only",
     ),
+    Option(
+        "skip_cheaper_recompute",
+        "boolean",
+        True,
+        "skip a restore whose pages must first be loaded from a slow tier (L2, the shared "
+        "tier) when that is estimated to take longer than recomputing its tokens "
+        '(`restores_skipped_cheaper_to_recompute`; §A.4, "Restore only when it beats '
+        'recomputing"); never without measured figures. `false`: always restore',
+    ),
+    Option(
+        "recompute_threshold",
+        "ratio",
+        1.0,
+        "a restore is skipped only when its estimated load time exceeds this many times "
+        "the estimated recompute time (above 1: skip less, below 1: skip more)",
+    ),
+    Option(
+        "prefill_seconds_per_token",
+        "seconds",
+        0.0,
+        "what recomputing one prompt token costs this engine, for the skip rule",
+        zero="measured from the engine's own steps",
+    ),
 )
 """Every option of the connector, in the order the docs list them: name,
 kind (and so parser and type), default and meaning. The one written source:
@@ -393,6 +427,9 @@ class ConnectorOptions:
     idle_flush: float = _default("idle_flush")
     kv_events_poll_interval: float = _default("kv_events_poll_interval")
     kv_events_max_checkpoints: int = _default("kv_events_max_checkpoints")
+    skip_cheaper_recompute: bool = _default("skip_cheaper_recompute")
+    recompute_threshold: float = _default("recompute_threshold")
+    prefill_seconds_per_token: float = _default("prefill_seconds_per_token")
 
 
 def option_table(mode: str) -> str:

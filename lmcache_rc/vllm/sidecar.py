@@ -50,6 +50,9 @@ class SidecarClient(Protocol):
         """Start a BEGIN (stage a generation)."""
         ...
 
+    # Optional: ``find_located_async(roots)`` (a FIND that also answers
+    # where the found pages sit, for the skip rule); fakes may lack it.
+
     def abort_async(self, generation: str) -> SidecarFuture:
         """Start an ABORT of a pending generation."""
         ...
@@ -131,6 +134,18 @@ class NonBlockingSidecar:
         if not self._live():
             raise self._down("checkpoint lookup")
         return self._client.find_async(roots)
+
+    @property
+    def supports_located(self) -> bool:
+        """Whether the client offers ``find_located_async``."""
+        return callable(getattr(self._client, "find_located_async", None))
+
+    def find_located_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
+        """FIND_LOCATED, or ``Unavailable`` at once while disconnected."""
+        if not self._live():
+            raise self._down("checkpoint lookup")
+        future: SidecarFuture = self._client.find_located_async(roots)  # type: ignore[attr-defined]
+        return future
 
     def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
         """BEGIN, or ``Unavailable`` at once while disconnected."""

@@ -6,15 +6,18 @@ What it owns (:class:`UpstreamScheduler`):
   for the request's tokens minus the last one (a restore never covers the
   whole prompt) and answers ``(None, False)`` until the reply is in, then
   ``(N - num_computed_tokens, True)`` for a checkpoint of ``N`` tokens
-  longer than the local hit. ``update_state_after_alloc`` turns vLLM's
-  blocks into one RETRIEVE task: every attention page past the local hit,
-  and each recurrent group's block ``cdiv(N, block_size) - 1`` (the block
-  vLLM's align mode reads the state of ``N`` tokens from). Every rank
-  reports the request in ``finished_recving`` and, on failure, in
+  longer than the local hit — unless loading it would take longer than
+  recomputing those tokens (the skip rule,
+  :mod:`lmcache_rc.vllm.restore_cost`: then ``(0, False)``, counted
+  ``restores_skipped_cheaper_to_recompute``). ``update_state_after_alloc``
+  turns vLLM's blocks into one RETRIEVE task: every attention page past the
+  local hit, and each recurrent group's block ``cdiv(N, block_size) - 1``
+  (the block vLLM's align mode reads the state of ``N`` tokens from). Every
+  rank reports the request in ``finished_recving`` and, on failure, in
   ``failed_recving``; vLLM's ``KVOutputAggregator`` waits for all ranks
   before the blocks become a hit (I2), and a failure anywhere makes vLLM
-  recompute (``kv_load_failure_policy="recompute"``). The failed
-  checkpoint is not offered again: the next FIND asks for a shorter one.
+  recompute (``kv_load_failure_policy="recompute"``). The failed checkpoint
+  is not offered again: the next FIND asks for a shorter one.
 * **Stores.** From ``boundary_state_offloads`` (Mamba align-mode states
   written by this step's forward): the last block boundary below the prompt
   length, or every one (``store_prompt``); at
@@ -67,6 +70,7 @@ from lmcache_rc.vllm.events import CheckpointKeys, GroupView, RouterEvents, chec
 from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
+from lmcache_rc.vllm.restore_cost import SkipRule
 from lmcache_rc.vllm.sidecar import SidecarClient
 
 __all__ = ["GroupInfo", "UpstreamScheduler", "cdiv"]
@@ -168,6 +172,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             layout_timeout=options.layout_timeout or None,
             validate=self._check_layout,
             clock=clock,
+            skip_rule=SkipRule.from_options(options),
         )
         self._options = options
         self._groups: tuple[GroupInfo, ...] = tuple(
@@ -348,6 +353,10 @@ class UpstreamScheduler(TaskBook[_Task]):
             return self._finish(restore, "incompatible")
         restore.manifest = found
         restore.num_tokens = found.prefix.num_tokens
+        if restore.num_tokens > num_computed and self._skip_restore(
+            restore, restore.num_tokens - num_computed
+        ):
+            return 0, False  # cheaper to recompute: the lookup ended
         restore.phase = RestorePhase.FOUND
         return self._offer(restore, num_computed)
 
@@ -653,6 +662,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             )
         self._release_deferred()
         self._step += 1
+        self._step_scheduled(scheduler_output)
         self._negotiation.settled()
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             restore = self._restores.get(rid)

@@ -364,6 +364,11 @@ sidecar_config! {
     /// full, the oldest waiting upload is dropped (status
     /// `shared_uploads_dropped`).
     shared_upload_queue: Count = SharedSettings::new("").upload_queue as u64;
+    /// Testing only: every request to the shared tier waits this long before
+    /// it is sent, so a `file://` tier behaves like a distant object store
+    /// (restores from it then show what a slow tier costs); 0 (the
+    /// default) adds nothing.
+    shared_inject_latency: Seconds = SharedSettings::new("").inject_latency;
 }
 
 /// The prefix of the environment variables that set a sidecar's settings.
@@ -464,6 +469,7 @@ impl SidecarConfig {
                 Some(url) => Some(SharedSettings {
                     lookup_timeout: self.shared_lookup_timeout,
                     upload_queue: usize_of("shared_upload_queue", self.shared_upload_queue)?,
+                    inject_latency: self.shared_inject_latency,
                     ..SharedSettings::new(url.clone())
                 }),
                 None => None,

@@ -485,6 +485,32 @@ const SHARED_REQUESTS: Family = by(
     "outcome",
 );
 
+const LOAD_LATENCY: Family = by(
+    gauge(
+        "tier_load_latency_microseconds",
+        "Moving average of one page load's time until its bytes arrive, by tier: L2 (file \
+         opened, header read) or shared (the store answered the GET); 0 until a load was \
+         measured. What a restore from that tier costs (the connector's skip rule)",
+    ),
+    "tier",
+);
+const LOAD_RATE: Family = by(
+    gauge(
+        "tier_load_rate",
+        "Moving average of the rate, in bytes per second, at which one page load moves its \
+         bytes once they arrive (read, verified, copied into L1), by tier: L2 or shared; 0 \
+         until a load was measured",
+    ),
+    "tier",
+);
+const LOADS_MEASURED: Family = by(
+    counter(
+        "tier_loads_measured",
+        "Page loads timed for the load figures, by tier: L2 or shared",
+    ),
+    "tier",
+);
+
 /// Every family in exposition order.
 pub const FAMILIES: &[Family] = &[
     GENERATIONS,
@@ -548,6 +574,9 @@ pub const FAMILIES: &[Family] = &[
     SHARED_IMPORTS,
     SHARED_FETCHES,
     SHARED_REQUESTS,
+    LOAD_LATENCY,
+    LOAD_RATE,
+    LOADS_MEASURED,
 ];
 
 /// A status value's place: its family and its label value (None for a
@@ -661,6 +690,12 @@ pub fn series_of(key: &str) -> Option<Placement> {
         "shared_manifests_rejected" => (SHARED_MANIFESTS_REJECTED, None),
         "shared_requests" => (SHARED_REQUESTS, Some("sent")),
         "shared_errors" => (SHARED_REQUESTS, Some("failed")),
+        "l2_load_latency_us" => (LOAD_LATENCY, Some("L2")),
+        "shared_load_latency_us" => (LOAD_LATENCY, Some("shared")),
+        "l2_load_bytes_per_s" => (LOAD_RATE, Some("L2")),
+        "shared_load_bytes_per_s" => (LOAD_RATE, Some("shared")),
+        "l2_load_samples" => (LOADS_MEASURED, Some("L2")),
+        "shared_load_samples" => (LOADS_MEASURED, Some("shared")),
         _ => return None,
     })
 }

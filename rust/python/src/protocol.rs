@@ -12,7 +12,8 @@
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::protocol::{
-    Capabilities, ChangeBatch, ClearReport, GenerationInfo, Lease, Pending, ServiceStatus, Slot,
+    Capabilities, ChangeBatch, ClearReport, GenerationInfo, Lease, Located, Pending, ServiceStatus,
+    Slot,
 };
 use lmcache_rc_core::{Error, ErrorKind, Manifest, Prefix, Result};
 use pyo3::prelude::*;
@@ -65,6 +66,19 @@ impl ToPython for Option<Manifest> {
             Some(m) => Ok(Py::new(py, PyManifest::wrap(m))?.into_any()),
             None => Ok(py.None()),
         }
+    }
+}
+
+/// `{"manifest": Manifest, "tiers": [{tier, pages, bytes, ...}]}`, or None.
+impl ToPython for Option<Located> {
+    fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let Some(located) = self else {
+            return Ok(py.None());
+        };
+        let d = PyDict::new(py);
+        d.set_item("manifest", Py::new(py, PyManifest::wrap(located.manifest))?)?;
+        d.set_item("tiers", plain(py, &located.tiers)?)?;
+        Ok(d.into_any().unbind())
     }
 }
 

@@ -18,7 +18,7 @@
 //!   service, test doubles).
 //! - The values ([`Lease`], [`LeaseStatus`], [`Slot`], [`MissReason`],
 //!   [`Capabilities`], [`ServiceStatus`], [`ClearReport`],
-//!   [`GenerationInfo`]) and the versions ([`PROTOCOL_VERSION`],
+//!   [`GenerationInfo`], [`Located`], [`TierLoad`]) and the versions ([`PROTOCOL_VERSION`],
 //!   [`FORMAT_VERSION`]).
 //!
 //! Lease calls that name a lease by id take the caller's `rank` when it
@@ -45,7 +45,7 @@ pub use pending::{Pending, Waitable};
 pub use pool::PoolSource;
 pub use types::{
     CHANGE_KINDS, Capabilities, Change, ChangeBatch, ClearReport, GenerationInfo, Lease,
-    LeaseStatus, MissReason, ServiceStatus, Slot, TIERS,
+    LeaseStatus, Located, MissReason, ServiceStatus, Slot, TIERS, TierLoad,
 };
 
 /// Slot/layout format version announced in capabilities.
@@ -211,6 +211,15 @@ macro_rules! for_each_operation {
                 /// `truncated`). See `docs/design/change-feed.md`.
                 14 Changes fn changes / changes_async (since: u64, watch: &[String])
                     -> $crate::protocol::ChangeBatch; py (since, watch = None)
+            }
+            {
+                /// [`find`](Checkpoints::find), and where the found checkpoint's pages
+                /// sit: per tier its pages and bytes (every rank) with the service's
+                /// measured load figures ([`TierLoad`]), so a caller can tell whether
+                /// restoring it beats recomputing it. `None` on a miss.
+                15 FindLocated fn find_located / find_located_async
+                    (roots: &[$crate::identity::Prefix])
+                    -> Option<$crate::protocol::Located>; py (roots)
             }
         }
     };

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::manifest::Manifest;
+
 /// What a lease call answered (on the wire: the variant index).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LeaseStatus {
@@ -213,6 +215,46 @@ pub struct ClearReport {
     pub retired_generations: u64,
     /// Objects kept because a lease or pin held them.
     pub kept_objects: u64,
+}
+
+/// Where the pages of a found checkpoint sit in one tier, and what the
+/// sidecar measured loading pages from that tier (`find_located`). The
+/// figures are the service's own moving averages of its page loads
+/// (`service::costs`); `samples` 0 means nothing was measured yet (then
+/// `latency_us` and `bytes_per_s` are 0 and mean "unknown", never "free").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierLoad {
+    /// `l1` (the shared-memory pool: a worker's copy, nothing to load),
+    /// `l2` (loaded from disk into L1) or `shared` (fetched from the shared
+    /// tier into L1). A client must ignore a tier it does not know.
+    pub tier: String,
+    /// Pages of the checkpoint (every rank) in this tier.
+    pub pages: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Page loads from this tier measured so far (0: no figures yet).
+    pub samples: u64,
+    /// Moving average of one page load's fixed cost in microseconds: the
+    /// time until its bytes start to arrive (an L2 file opened and its
+    /// header read; a shared-tier GET answered).
+    pub latency_us: u64,
+    /// Moving average of the rate at which one page load moves its bytes
+    /// once they arrive (read, verified, copied into L1), bytes per second.
+    pub bytes_per_s: u64,
+    /// Page loads this tier runs at once (the L2 I/O threads, the shared
+    /// tier's fetch threads; 1 for L1).
+    pub parallelism: u32,
+}
+
+/// A `find_located` answer: the candidate `find` would answer, and where
+/// its pages sit (one [`TierLoad`] per tier holding any, in the order L1,
+/// L2, shared). On the wire its manifest travels as a `WireManifest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// The candidate (every rank must still retrieve it).
+    pub manifest: Manifest,
+    /// Per tier holding pages of it: pages, bytes and load figures.
+    pub tiers: Vec<TierLoad>,
 }
 
 /// One published generation as an operator sees it (`lmcache-rc inspect`).

@@ -85,7 +85,9 @@
 //! variant index is the request type: 0 CAPABILITIES, 1 FIND, 2 BEGIN,
 //! 3 ABORT, 4 PREPARE_STORE, 5 FINISH_STORE, 6 BEGIN_RETRIEVE,
 //! 7 POLL_RETRIEVE, 8 FINISH_RETRIEVE, 9 CANCEL_RETRIEVE, 10 STATUS,
-//! 11 CLEAR{force, all_tiers}, 12 LIST_GENERATIONS, 13 INVALIDATE_NAMESPACE{namespace}.
+//! 11 CLEAR{force, all_tiers}, 12 LIST_GENERATIONS, 13 INVALIDATE_NAMESPACE{namespace},
+//! 14 FIND_LOCATED (added within version 3: an older server answers it
+//! `Err{Protocol}`, and a client then falls back to FIND).
 //! Variants and fields are append-only; any other
 //! change needs a new protocol version. Manifests and prefixes travel as
 //! plain fields ([`wire::WireManifest`], [`wire::WirePrefix`]; payload and

@@ -1099,7 +1099,9 @@ fn dispatch(shared: &Arc<Shared>, conn: &Arc<Conn>, holder: &Holder, rid: u64, r
             })
         }
         // A find with a shared tier may wait for it (up to its lookup timeout).
-        request @ Request::Find { .. } if shared.service.has_shared_tier() => {
+        request @ (Request::Find { .. } | Request::FindLocated { .. })
+            if shared.service.has_shared_tier() =>
+        {
             Box::new(move |s: &Shared, h: &Holder| run(s, h, request))
         }
         request => return conn.send(shared, rid, &run(shared, holder, request)),

@@ -19,7 +19,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::protocol::{
-    Capabilities, ChangeBatch, Checkpoints, ClearReport, GenerationInfo, Lease, ServiceStatus,
+    Capabilities, ChangeBatch, Checkpoints, ClearReport, GenerationInfo, Lease, Located,
+    ServiceStatus, TierLoad,
 };
 
 /// First bytes of both handshake frames.
@@ -280,6 +281,46 @@ impl ReplyValue for Option<Manifest> {
     }
 }
 
+/// A [`Located`] as carried on the wire (its manifest validated on receipt).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireLocated {
+    /// See [`Located::manifest`].
+    pub manifest: WireManifest,
+    /// See [`Located::tiers`].
+    pub tiers: Vec<TierLoad>,
+}
+
+impl From<&Located> for WireLocated {
+    fn from(l: &Located) -> Self {
+        WireLocated {
+            manifest: WireManifest::from(&l.manifest),
+            tiers: l.tiers.clone(),
+        }
+    }
+}
+
+impl ReplyValue for Option<Located> {
+    fn into_value(self) -> Value {
+        Value::Located(self.as_ref().map(WireLocated::from))
+    }
+    fn from_value(value: Value) -> Result<Self> {
+        match value {
+            Value::Located(l) => l
+                .map(|l| {
+                    Ok(Located {
+                        manifest: Manifest::try_from(l.manifest)?,
+                        tiers: l.tiers,
+                    })
+                })
+                .transpose()
+                .map_err(|e: Error| {
+                    Error::Protocol(format!("the server sent an invalid manifest: {e}"))
+                }),
+            other => Err(other.unexpected("Located")),
+        }
+    }
+}
+
 /// Declares [`Request`] (one variant per operation, fields from
 /// [`WireArg`]), its name and its dispatch from the operation table.
 macro_rules! declare_requests {
@@ -362,6 +403,8 @@ pub enum Value {
     Count(u64),
     /// 9 — changes.
     Changes(ChangeBatch),
+    /// 10 — find_located (its manifest validated into a [`Manifest`] on receipt).
+    Located(Option<WireLocated>),
 }
 
 impl Value {
@@ -378,6 +421,7 @@ impl Value {
             Value::Generations(_) => "Generations",
             Value::Count(_) => "Count",
             Value::Changes(_) => "Changes",
+            Value::Located(_) => "Located",
         }
     }
 

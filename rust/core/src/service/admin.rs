@@ -78,6 +78,7 @@ pub(super) fn status(inner: &Arc<Inner>) -> Result<ServiceStatus> {
     }
     #[cfg(feature = "shared-tier")]
     values.extend(super::shared::status_values(inner));
+    values.extend(inner.meters.status_values());
     let misses = st
         .counters
         .misses()

@@ -15,6 +15,8 @@
 //!   effects (L2 writes, deletes and loads, directory retirements and
 //!   durable flags), and the L2 I/O jobs;
 //! - `admin`: capabilities, status, clear, list, the change feed's reads, close;
+//! - `costs`: what page loads from L2 and the shared tier cost, measured
+//!   where they run (the figures `find_located` answers with);
 //! - `feed`: the change feed (a bounded ring of listings, tiers reached and
 //!   unlistings, written under the state lock);
 //! - `reclaim`: who holds each lease (a process, or nobody watchable), the
@@ -39,6 +41,7 @@
 //! is deleted from L1 and L2 at once — nothing waits for LRU.
 
 mod admin;
+mod costs;
 mod counters;
 mod feed;
 mod open;
@@ -74,7 +77,7 @@ pub use types::{ServiceConfig, SharedSettings};
 // The protocol's values, also reachable here (they were born in this module).
 pub use crate::protocol::{
     Capabilities, ChangeBatch, ClearReport, FORMAT_VERSION, GenerationInfo, Lease, LeaseStatus,
-    MissReason, PROTOCOL_VERSION, ServiceStatus, Slot,
+    Located, MissReason, PROTOCOL_VERSION, ServiceStatus, Slot, TierLoad,
 };
 
 /// Everything the service owns, shared with its I/O jobs.
@@ -97,6 +100,8 @@ struct Inner {
     opened: std::time::Instant,
     /// The object keys of recent restores (`retrieve::KeyCache`).
     read_keys: Mutex<retrieve::KeyCache>,
+    /// What page loads from L2 and the shared tier cost (`costs`).
+    meters: costs::Meters,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.
@@ -258,6 +263,10 @@ impl Checkpoints for CheckpointService {
     }
     fn changes(&self, since: u64, watch: &[String]) -> Result<ChangeBatch> {
         admin::changes(&self.inner, since, watch)
+    }
+
+    fn find_located(&self, roots: &[Prefix]) -> Result<Option<Located>> {
+        retrieve::find_located(&self.inner, roots)
     }
 }
 

@@ -119,6 +119,7 @@ impl CheckpointService {
             shared,
             opened: std::time::Instant::now(),
             read_keys: parking_lot::Mutex::new(Default::default()),
+            meters: Default::default(),
         });
         reconcile(&inner, inventory)?;
         Upkeep::start(&inner)?;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Inner;
+use super::costs::Figures;
 use super::counters::Counter;
 use super::reclaim::Holder;
 use super::state::{Fetch, L1, L2, RetrieveLease, State};
@@ -15,7 +16,7 @@ use crate::cost::Eviction;
 use crate::error::{Error, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
-use crate::protocol::{Lease, MissReason};
+use crate::protocol::{Lease, Located, MissReason, TierLoad};
 use crate::store::ObjectKey;
 use crate::store::object_keys;
 
@@ -34,6 +35,70 @@ pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manife
     };
     inner.lock().count(counter, 1);
     Ok(found)
+}
+
+/// [`find`], and where the found checkpoint's pages sit: per tier (L1,
+/// L2, shared; only tiers holding any) its pages and bytes over every rank
+/// and the service's measured load figures for that tier (`costs`). A page
+/// being written or loaded counts as L1 (a load already started is not
+/// paid again); a page with no copy anywhere is not counted (its restore
+/// misses). The pages are the listed generation's objects, read under one
+/// lock: nothing is hashed. A generation retired since `find` answered
+/// (a race) has no tiers.
+pub(super) fn find_located(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Located>> {
+    let Some(manifest) = find(inner, roots)? else {
+        return Ok(None);
+    };
+    // pages and bytes per tier: L1, L2, shared
+    let mut held = [(0u64, 0u64); 3];
+    {
+        let st = inner.lock();
+        if let Some(listed) = st.listed.get(manifest.generation()) {
+            for key in &listed.keys {
+                let Some(obj) = st.objects.get(key) else {
+                    continue;
+                };
+                let tier = match (obj.l1, obj.l2) {
+                    (L1::Ready | L1::Loading | L1::Writing(_), _) => 0,
+                    (L1::Absent, L2::Durable) => 1,
+                    (L1::Absent, _) if obj.remote.is_some() => 2,
+                    _ => continue,
+                };
+                held[tier].0 += 1;
+                held[tier].1 += obj.page_bytes;
+            }
+        }
+    }
+    let threads = |n: usize| u32::try_from(n.max(1)).unwrap_or(u32::MAX);
+    let fetch_threads = inner.config.shared.as_ref().map_or(1, |s| s.fetch_threads);
+    let figures = [
+        ("l1", Figures::default(), 1),
+        (
+            "l2",
+            inner.meters.l2.figures(),
+            threads(inner.config.l2_io_threads),
+        ),
+        (
+            "shared",
+            inner.meters.shared.figures(),
+            threads(fetch_threads),
+        ),
+    ];
+    let tiers = held
+        .iter()
+        .zip(figures)
+        .filter(|((pages, _), _)| *pages > 0)
+        .map(|(&(pages, bytes), (tier, f, parallelism))| TierLoad {
+            tier: tier.to_string(),
+            pages,
+            bytes,
+            samples: f.samples,
+            latency_us: f.latency_us,
+            bytes_per_s: f.bytes_per_s,
+            parallelism,
+        })
+        .collect();
+    Ok(Some(Located { manifest, tiers }))
 }
 
 /// Starts restoring one rank of a listed generation. Answers `ready` with

@@ -123,6 +123,7 @@ impl SharedSide {
         }
         let mut config = SharedConfig::new(settings.url.clone());
         config.options = settings.options.clone();
+        config.inject_latency = settings.inject_latency;
         let tier = SharedTier::open(config)?;
         Ok(SharedSide {
             tier,
@@ -675,11 +676,12 @@ pub(super) fn submit_fetches(inner: &Arc<Inner>, fetches: Vec<Fetch>) {
 
 /// Fetches one page into its slot (on a fetch thread).
 fn run_fetch(inner: &Arc<Inner>, fetch: Fetch) {
+    let started = Instant::now();
     let result = match &inner.shared {
         Some(side) => side
             .tier
-            .fetch_page(&fetch.namespace, &fetch.key, fetch.len)
-            .and_then(|bytes| {
+            .fetch_page_timed(&fetch.namespace, &fetch.key, fetch.len)
+            .and_then(|(bytes, answered)| {
                 let len = usize::try_from(fetch.len)
                     .map_err(|_| Error::invalid("page too large for this platform"))?;
                 // SAFETY: the slot belongs to an object in state Loading; no
@@ -695,6 +697,10 @@ fn run_fetch(inner: &Arc<Inner>, fetch: Fetch) {
                     )));
                 }
                 slot.copy_from_slice(&bytes);
+                inner
+                    .meters
+                    .shared
+                    .observe(answered, started.elapsed(), fetch.len);
                 Ok(())
             }),
         None => Err(Error::Closed("the shared tier")),

@@ -279,11 +279,15 @@ fn page_len(len: u64) -> Result<usize> {
 /// corrupt (proof of loss), retires the generations naming it.
 fn submit_load(inner: &Arc<Inner>, key: ObjectKey, offset: u64, len: u64) {
     submit_l2_job(inner, move |inner, l2| {
+        let started = Instant::now();
         // SAFETY: the slot belongs to an object in state Loading; no lease
         // exposes it and nothing else writes it until this job completes.
         let result = page_len(len)
             .and_then(|len| unsafe { inner.pool.slice_mut(offset, len) })
-            .and_then(|buf| l2.read(&key, buf));
+            .and_then(|buf| l2.read_timed(&key, buf));
+        let result = result.map(|first_byte| {
+            inner.meters.l2.observe(first_byte, started.elapsed(), len);
+        });
         let mut st = inner.lock();
         let waiters = st.end_load(&key);
         match result {

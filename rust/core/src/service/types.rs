@@ -65,6 +65,9 @@ pub struct SharedSettings {
     pub upload_queue: usize,
     /// Threads fetching pages from the shared tier into L1 for restores.
     pub fetch_threads: usize,
+    /// Testing only: every request to the shared tier waits this long first
+    /// (see `SharedConfig::inject_latency`); zero adds nothing.
+    pub inject_latency: Duration,
 }
 
 impl SharedSettings {
@@ -76,6 +79,7 @@ impl SharedSettings {
             lookup_timeout: Duration::from_millis(200),
             upload_queue: 1024,
             fetch_threads: 4,
+            inject_latency: Duration::ZERO,
         }
     }
 }

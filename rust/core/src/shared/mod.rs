@@ -21,6 +21,7 @@
 
 pub mod counters;
 pub mod format;
+mod latency;
 pub mod layout;
 mod store;
 
@@ -80,6 +81,10 @@ pub struct SharedConfig {
     pub max_bucket_entries: usize,
     /// Most candidate manifests one lookup fetches.
     pub max_candidates: usize,
+    /// Testing only: every request to the store waits this long before it
+    /// is sent (`object_store`'s `ThrottledStore`), so a local filesystem
+    /// behaves like a distant object store. Zero (the default) adds nothing.
+    pub inject_latency: Duration,
 }
 
 impl SharedConfig {
@@ -100,6 +105,7 @@ impl SharedConfig {
             max_lookup_roots: 64,
             max_bucket_entries: 4096,
             max_candidates: 4,
+            inject_latency: Duration::ZERO,
         }
     }
 
@@ -439,12 +445,24 @@ impl SharedTier {
     /// [`Error::NotFound`] when absent, [`Error::Corrupt`] when it fails
     /// verification, [`Error::Unavailable`] when the store fails.
     pub fn fetch_page(&self, namespace: &str, key: &ObjectKey, page_bytes: u64) -> Result<Vec<u8>> {
+        self.fetch_page_timed(namespace, key, page_bytes)
+            .map(|(page, _)| page)
+    }
+
+    /// [`SharedTier::fetch_page`], with how long the store took to answer
+    /// the page's GET (the rest of the call read and verified its bytes).
+    pub fn fetch_page_timed(
+        &self,
+        namespace: &str,
+        key: &ObjectKey,
+        page_bytes: u64,
+    ) -> Result<(Vec<u8>, Duration)> {
         let inner = self.inner.clone();
         let result =
             self.block_on(async move { inner.fetch_page(namespace, key, page_bytes).await })?;
         let counters = &self.inner.counters;
         match &result {
-            Ok(page) => {
+            Ok((page, _)) => {
                 counters.add(SharedCounter::PagesFetched, 1);
                 counters.add(SharedCounter::BytesFetched, page.len() as u64);
             }
@@ -765,17 +783,18 @@ impl Inner {
         namespace: &str,
         key: &ObjectKey,
         page_bytes: u64,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<(Vec<u8>, Duration)> {
         let path = self.layout.page_key(namespace, key);
         let cap = page_object_bytes(page_bytes);
-        let Some(object) = self.bulk.get_capped(&path, cap).await? else {
+        let (object, answered) = self.bulk.get_capped_timed(&path, cap).await?;
+        let Some(object) = object else {
             return Err(Error::NotFound(format!(
                 "shared tier: no page {} in the store",
                 key.hex()
             )));
         };
         let range = verify_page(&object, key, page_bytes)?;
-        Ok(object.get(range).unwrap_or_default().to_vec())
+        Ok((object.get(range).unwrap_or_default().to_vec(), answered))
     }
 
     async fn gc(&self, older_than: Duration) -> Result<GcReport> {

@@ -107,6 +107,11 @@ impl Store {
         if !root.is_empty() {
             parse_path(&root)?;
         }
+        let inner: Arc<dyn ObjectStore> = if config.inject_latency.is_zero() {
+            inner
+        } else {
+            Arc::new(super::latency::Delayed::new(inner, config.inject_latency))
+        };
         Ok((
             Store {
                 inner,
@@ -168,13 +173,25 @@ impl Store {
     /// The whole object, `None` when absent; [`Error::Corrupt`] when it is
     /// longer than `cap` (never read beyond it).
     pub(super) async fn get_capped(&self, key: &str, cap: u64) -> Result<Option<Bytes>> {
+        Ok(self.get_capped_timed(key, cap).await?.0)
+    }
+
+    /// [`Store::get_capped`], with how long the store took to answer the
+    /// GET (before the body was read).
+    pub(super) async fn get_capped_timed(
+        &self,
+        key: &str,
+        cap: u64,
+    ) -> Result<(Option<Bytes>, Duration)> {
         let path = parse_path(key)?;
         self.count();
+        let started = std::time::Instant::now();
         let result = match self.inner.get(&path).await {
             Ok(r) => r,
-            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(object_store::Error::NotFound { .. }) => return Ok((None, started.elapsed())),
             Err(e) => return Err(self.failed("get", key, e)),
         };
+        let answered = started.elapsed();
         let too_long = || {
             Error::Corrupt(format!(
                 "shared tier: object {key} is longer than the {cap} bytes expected"
@@ -194,7 +211,7 @@ impl Store {
             }
             chunks.push(chunk);
         }
-        Ok(Some(match chunks.len() {
+        let body = match chunks.len() {
             1 => chunks.pop().unwrap_or_default(),
             _ => {
                 let mut out = Vec::with_capacity(usize::try_from(total).unwrap_or(0));
@@ -203,7 +220,8 @@ impl Store {
                 }
                 Bytes::from(out)
             }
-        }))
+        };
+        Ok((Some(body), answered))
     }
 
     /// Up to `limit` object keys under `dir/`, and the listing requests sent

@@ -647,9 +647,19 @@ impl L2Tier {
     /// other mismatch; [`Error::Io`] when the filesystem fails. On error the
     /// contents of `out` are unspecified and must not be used.
     pub fn read(&self, key: &ObjectKey, out: &mut [u8]) -> Result<()> {
+        self.read_timed(key, out).map(|_| ())
+    }
+
+    /// [`L2Tier::read`], answering how long it took until the page's bytes
+    /// could be read: the file opened and its header read and checked (the
+    /// service's load figures, `service::costs`).
+    pub fn read_timed(&self, key: &ObjectKey, out: &mut [u8]) -> Result<std::time::Duration> {
+        let started = std::time::Instant::now();
         let path = self.path_of(key);
         let ctx = || format!("read L2 object {}", path.display());
-        match read_header(&*self.fs, &path, key).map_err(|e| Error::io(ctx(), e))? {
+        let header = read_header(&*self.fs, &path, key).map_err(|e| Error::io(ctx(), e))?;
+        let first_byte = started.elapsed();
+        match header {
             HeaderRead::Missing => Err(Error::NotFound(format!(
                 "L2 object {} is absent ({})",
                 key.hex(),
@@ -693,7 +703,7 @@ impl L2Tier {
                         header.checksum
                     )));
                 }
-                Ok(())
+                Ok(first_byte)
             }
         }
     }
