@@ -220,7 +220,7 @@ pub struct ClearReport {
 /// Where the pages of a found checkpoint sit in one tier, and what the
 /// sidecar measured loading pages from that tier (`find_located`). The
 /// figures are the service's own moving averages of its page loads
-/// (`service::costs`); `samples` 0 means nothing was measured yet (then
+/// (`service::load_figures`); `samples` 0 means nothing was measured yet (then
 /// `latency_us` and `bytes_per_s` are 0 and mean "unknown", never "free").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierLoad {

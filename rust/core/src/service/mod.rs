@@ -15,7 +15,7 @@
 //!   effects (L2 writes, deletes and loads, directory retirements and
 //!   durable flags), and the L2 I/O jobs;
 //! - `admin`: capabilities, status, clear, list, the change feed's reads, close;
-//! - `costs`: what page loads from L2 and the shared tier cost, measured
+//! - `load_figures`: what page loads from L2 and the shared tier cost, measured
 //!   where they run (the figures `find_located` answers with);
 //! - `feed`: the change feed (a bounded ring of listings, tiers reached and
 //!   unlistings, written under the state lock);
@@ -41,9 +41,9 @@
 //! is deleted from L1 and L2 at once — nothing waits for LRU.
 
 mod admin;
-mod costs;
 mod counters;
 mod feed;
+mod load_figures;
 mod open;
 mod reclaim;
 mod retrieve;
@@ -100,8 +100,8 @@ struct Inner {
     opened: std::time::Instant,
     /// The object keys of recent restores (`retrieve::KeyCache`).
     read_keys: Mutex<retrieve::KeyCache>,
-    /// What page loads from L2 and the shared tier cost (`costs`).
-    meters: costs::Meters,
+    /// What page loads from L2 and the shared tier cost (`load_figures`).
+    meters: load_figures::Meters,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.

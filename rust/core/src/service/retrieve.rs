@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Inner;
-use super::costs::Figures;
 use super::counters::Counter;
+use super::load_figures::Figures;
 use super::reclaim::Holder;
 use super::state::{Fetch, L1, L2, RetrieveLease, State};
 use super::store::check_rank;
@@ -39,7 +39,7 @@ pub(super) fn find(inner: &Arc<Inner>, roots: &[Prefix]) -> Result<Option<Manife
 
 /// [`find`], and where the found checkpoint's pages sit: per tier (L1,
 /// L2, shared; only tiers holding any) its pages and bytes over every rank
-/// and the service's measured load figures for that tier (`costs`). A page
+/// and the service's measured load figures for that tier (`load_figures`). A page
 /// being written or loaded counts as L1 (a load already started is not
 /// paid again); a page with no copy anywhere is not counted (its restore
 /// misses). The pages are the listed generation's objects, read under one

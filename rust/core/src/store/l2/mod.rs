@@ -652,7 +652,7 @@ impl L2Tier {
 
     /// [`L2Tier::read`], answering how long it took until the page's bytes
     /// could be read: the file opened and its header read and checked (the
-    /// service's load figures, `service::costs`).
+    /// service's load figures, `service::load_figures`).
     pub fn read_timed(&self, key: &ObjectKey, out: &mut [u8]) -> Result<std::time::Duration> {
         let started = std::time::Instant::now();
         let path = self.path_of(key);
