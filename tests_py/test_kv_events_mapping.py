@@ -123,6 +123,16 @@ def settle(events: RouterEvents, clock: Clock | None = None) -> list[Any]:
     raise AssertionError("still busy")
 
 
+def started() -> tuple[Feed, Clock, RouterEvents]:
+    """A feed, a clock and an event book that has learned the feed's epoch
+    (its first poll settled)."""
+    feed = Feed()
+    clock = Clock()
+    events = make(feed, clock)
+    settle(events)
+    return feed, clock, events
+
+
 def summary(events: list[Any]) -> list[tuple[str, list[Any], Any]]:
     return [
         (
@@ -186,10 +196,7 @@ def test_blocks_two_checkpoints_share_are_announced_once_and_removed_with_the_la
 
 
 def test_an_eviction_removes_only_what_no_other_checkpoint_holds() -> None:
-    feed = Feed()
-    clock = Clock()
-    events = make(feed, clock)
-    settle(events)
+    feed, clock, events = started()
     feed.change("short", "listed", "l1")
     feed.change("long", "listed", "l1")
     events.learned("short", chain(2))
@@ -204,10 +211,7 @@ def test_an_eviction_removes_only_what_no_other_checkpoint_holds() -> None:
 
 
 def test_a_durable_copy_moves_the_blocks_to_the_storage_medium() -> None:
-    feed = Feed()
-    clock = Clock()
-    events = make(feed, clock)
-    settle(events)
+    feed, clock, events = started()
     feed.change("g", "listed", "l1")
     events.learned("g", chain(1))
     settle(events)
@@ -223,10 +227,7 @@ def test_a_durable_copy_moves_the_blocks_to_the_storage_medium() -> None:
 
 
 def test_a_sidecar_restart_withdraws_everything_and_re_announces_what_survived() -> None:
-    feed = Feed()
-    clock = Clock()
-    events = make(feed, clock)
-    settle(events)
+    feed, clock, events = started()
     feed.change("kept", "listed", "l2")
     feed.change("lost", "listed", "l1")
     events.learned("kept", chain(1, base=10))
@@ -248,10 +249,7 @@ def test_a_sidecar_restart_withdraws_everything_and_re_announces_what_survived()
 
 
 def test_a_truncated_feed_asks_every_known_checkpoint_again() -> None:
-    feed = Feed()
-    clock = Clock()
-    events = make(feed, clock)
-    settle(events)
+    feed, clock, events = started()
     feed.change("g", "listed", "l1")
     events.learned("g", chain(1))
     settle(events)

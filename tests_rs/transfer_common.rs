@@ -445,6 +445,25 @@ pub fn service(tag: &str) -> Arc<CheckpointService> {
     Arc::new(CheckpointService::open(crate::service_common::config(tag, None)).unwrap())
 }
 
+/// After a `prepare_store` whose reply never came: it was sent once, no
+/// store lease was finished, the sidecar's pool holds `shm` as before, and
+/// the engine is unsafe (closing it says so).
+pub fn assert_unsafe_after_a_lost_prepare(
+    svc: &CheckpointService,
+    api: &Scripted,
+    worker: &Worker,
+    shm: &[u8],
+) {
+    assert_eq!(api.count("prepare_store"), 1, "never a second prepare");
+    assert!(api.store_finishes().is_empty());
+    assert!(shm_bytes(svc) == shm);
+    assert!(worker.engine.is_unsafe());
+    assert_eq!(
+        worker.engine.close(Some(HANG_GUARD)).unwrap_err().kind(),
+        ErrorKind::UnsafeCopy
+    );
+}
+
 /// Every byte of the service's shared-memory pool.
 pub fn shm_bytes(svc: &CheckpointService) -> Vec<u8> {
     let mut out = vec![0u8; svc.pool().size() as usize];

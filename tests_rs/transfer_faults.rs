@@ -358,14 +358,7 @@ fn a_prepare_reply_that_never_arrives_makes_the_engine_unsafe() {
     worker
         .run(job(&m, 0, Direction::Store, &b))
         .expect("unsafe", "lease ownership could not drain");
-    assert_eq!(api.count("prepare_store"), 1, "never a second prepare");
-    assert!(api.store_finishes().is_empty());
-    assert!(shm_bytes(&svc) == shm);
-    assert!(worker.engine.is_unsafe());
-    assert_eq!(
-        worker.engine.close(Some(HANG_GUARD)).unwrap_err().kind(),
-        ErrorKind::UnsafeCopy
-    );
+    assert_unsafe_after_a_lost_prepare(&svc, &api, &worker, &shm);
 }
 
 #[test]
