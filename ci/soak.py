@@ -60,6 +60,10 @@ import numpy as np
 
 import lmcache_rc as rc
 
+# One manifest builder with the RPC suites (tests_py/rpc_helpers.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests_py"))
+from rpc_helpers import make_manifest
+
 PAGE = 4096
 WORLD = 2
 BASES = 32
@@ -105,38 +109,6 @@ def tokens_of(base: int, n: int) -> list[int]:
     """The first ``n`` tokens of base sequence ``base`` (the same in every process)."""
     rng = random.Random(f"soak-base-{base}")
     return [rng.randrange(50_000) for _ in range(MAX_TOKENS)][:n]
-
-
-def make_manifest(ns: str, tokens: list[int]) -> tuple[rc.Manifest, rc.TokenRoots]:
-    """A schema-2 manifest: an attention page every 16 tokens, one recurrent
-    page and one auxiliary page, 4 KiB each, WORLD ranks."""
-    roots = rc.TokenRoots.build(ns, tokens)
-    n = len(tokens)
-    blocks = [(min((p + 1) * 16, n), "attention:0") for p in range((n + 15) // 16)]
-    groups = [
-        {
-            "name": "engine-kv-group:0",
-            "page_bytes": PAGE,
-            "positions": list(range(len(blocks))),
-            "content_keys": roots.content_keys(blocks),
-        },
-        {
-            "name": "engine-kv-group:1",
-            "page_bytes": PAGE,
-            "positions": [0],
-            "content_keys": [roots.content_key(n, "recurrent:1")],
-        },
-        {
-            "name": "target-draft-auxiliary",
-            "page_bytes": PAGE,
-            "positions": [0],
-            "content_keys": [roots.content_key(n, "auxiliary:0:prompt")],
-        },
-    ]
-    body = {"schema_version": 2, "page_groups": groups, "kind": "prompt", "draft_prefix_len": 0}
-    payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    prefix = roots.prefix(n)
-    return rc.Manifest(rc.checkpoint_generation(prefix, payload), prefix, WORLD, payload), roots
 
 
 def content_keys(m: rc.Manifest) -> list[list[str]]:
@@ -294,7 +266,7 @@ def worker(socket: str, seed: int, out: Path, ops_file: Path) -> None:
             if (base, n) not in cache:
                 if len(cache) > 4096:
                     cache.clear()
-                cache[(base, n)] = make_manifest(ns, tokens_of(base, n))
+                cache[(base, n)] = make_manifest(tokens_of(base, n), world=WORLD, namespace=ns)
             m, roots = cache[(base, n)]
             r = rng.random()
             op = "store" if r < 0.4 else "restore" if r < 0.85 else "find"

@@ -33,12 +33,14 @@ def make_manifest(
     world: int = 2,
     pages: int | None = None,
     layout: dict[str, object] | None = None,
+    namespace: str | None = None,
 ) -> tuple[rc.Manifest, rc.TokenRoots]:
     """A schema-2 manifest: attention pages every 16 tokens (or ``pages``
     state pages), one recurrent page, one auxiliary page; 4 KiB pages.
     ``layout`` becomes the payload's ``worker_layout`` (as the scheduler
-    bridge writes it)."""
-    ns = rc.checkpoint_namespace(
+    bridge writes it). ``namespace``: the one to use (default: one fixed
+    identity per world size; ``ci/soak.py`` gives each worker its own)."""
+    ns = namespace or rc.checkpoint_namespace(
         {
             "target_revision": "t" * 40,
             "draft_revision": "",
