@@ -16,6 +16,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use lmcache_rc_core::store::l2::{DirEntryInfo, Fs, ReadFile, RealFs, WriteFile};
 use parking_lot::{Mutex, MutexGuard};
@@ -108,6 +109,45 @@ pub fn mark_release() -> usize {
 pub fn fill_release(at: usize, generations: Vec<String>) {
     let mut r = recorder().lock();
     r.log[at] = Rec::Release(generations);
+}
+
+/// Roots under which every SQLite sync through the test VFS first sleeps
+/// (a slow disk), with the sleep.
+fn slow_roots() -> &'static Mutex<Vec<(PathBuf, Duration)>> {
+    static S: OnceLock<Mutex<Vec<(PathBuf, Duration)>>> = OnceLock::new();
+    S.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// While alive, SQLite's syncs of files under a root (through the test VFS
+/// [`VFS_NAME`]) each take `delay` longer, as on a slow disk. Nothing is
+/// recorded unless a [`Session`] runs too.
+pub struct SlowSyncs {
+    root: PathBuf,
+}
+
+impl SlowSyncs {
+    /// Slows the syncs under `root` (installing the test VFS if needed).
+    pub fn under(root: &Path, delay: Duration) -> SlowSyncs {
+        install();
+        slow_roots().lock().push((root.to_path_buf(), delay));
+        SlowSyncs {
+            root: root.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for SlowSyncs {
+    fn drop(&mut self) {
+        slow_roots().lock().retain(|(r, _)| r != &self.root);
+    }
+}
+
+fn sync_delay(path: &Path) -> Option<Duration> {
+    let roots = slow_roots().lock();
+    roots
+        .iter()
+        .find(|(r, _)| path.starts_with(r))
+        .map(|(_, d)| *d)
 }
 
 fn on_index_fsync(path: &Path) {
@@ -340,6 +380,9 @@ unsafe extern "C" fn x_sync(f: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     let path = unsafe { path_of(f) };
     if let Some(p) = path {
         record(p, || Rec::Sync(p.to_path_buf()));
+        if let Some(delay) = sync_delay(p) {
+            std::thread::sleep(delay);
+        }
     }
     let rc = forward!(f, xSync, flags);
     // SAFETY: f is a RecFile.

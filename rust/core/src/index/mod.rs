@@ -119,6 +119,7 @@ mod schema;
 use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -424,11 +425,23 @@ const CHECKPOINT_COMMITS: u64 = 256;
 /// Longest time committed frames wait for a background checkpoint.
 const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
 
-/// Signals to the background thread (file mode).
+/// Log frames past which a commit cuts the write-ahead log back itself
+/// (32 MiB at 4 KiB pages; background checkpoints that keep up leave about
+/// 2,000).
+const WAL_BOUND_FRAMES: i64 = 8_192;
+
+/// Signals to the background thread (file mode), and what it shares with
+/// the committing connection.
 #[derive(Default)]
 struct Background {
     state: Mutex<BackgroundState>,
     wake: Condvar,
+    /// Frames in the write-ahead log after the latest commit (SQLite's WAL
+    /// hook on the main connection sets it).
+    log_frames: Arc<AtomicI64>,
+    /// Held while a checkpoint runs: SQLite lets one run at a time and
+    /// answers busy at once (no busy handler) to a second.
+    checkpoint_turn: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -557,7 +570,7 @@ impl Directory {
     /// [`Error::UnsupportedFormat`] and left untouched.
     pub fn open(path: Option<&Path>, config: DirectoryConfig) -> Result<Directory> {
         config.validate()?;
-        let (conn, report, read_only) = match open_writable(path, &config) {
+        let (mut conn, report, read_only) = match open_writable(path, &config) {
             Ok((conn, report)) => (conn, report, None),
             // A full disk: serve what is durable, read-only (writes wait
             // for `reopen_writable`).
@@ -631,6 +644,9 @@ impl Directory {
             _ => None,
         };
         let background = Arc::new(Background::default());
+        if path.is_some() {
+            schema::count_log_frames(&mut conn, background.log_frames.clone())?;
+        }
         let inner = Inner {
             conn: Some(conn),
             config,
@@ -699,7 +715,8 @@ impl Directory {
         let Some(path) = self.path.as_deref() else {
             return Ok(false);
         };
-        let (conn, _) = open_writable(Some(path), &inner.config)?;
+        let (mut conn, _) = open_writable(Some(path), &inner.config)?;
+        schema::count_log_frames(&mut conn, inner.background.log_frames.clone())?;
         let id = schema::directory_id(&conn)?;
         if let Some(old) = inner.conn.replace(conn) {
             let _ = old.close();
@@ -1271,8 +1288,8 @@ impl Drop for Directory {
 ///   directory lock (publications never wait for them): when asked (every
 ///   [`CHECKPOINT_COMMITS`] commits) and every [`CHECKPOINT_INTERVAL`] while
 ///   commits arrive. A passive checkpoint waits for nobody; frames it cannot
-///   copy yet wait for the next one (the main connection checkpoints itself
-///   only past a large safety bound, see `schema.rs`);
+///   copy yet wait for the next one (a commit cuts the log back itself past
+///   [`WAL_BOUND_FRAMES`], see [`Inner::bound_log`]);
 /// * writes due recency stamps every `interval`.
 ///
 /// Its connection closes last, so SQLite folds the log into the database and
@@ -1319,7 +1336,10 @@ fn run_background(
         }
         let latest = syncer.latest();
         if latest != checkpointed {
-            if let Err(e) = schema::checkpoint_passive(&checkpointer) {
+            let turn = s.background.checkpoint_turn.lock();
+            let done = schema::checkpoint_passive(&checkpointer);
+            drop(turn);
+            if let Err(e) = done {
                 log::warn!("checkpoint directory: background checkpoint failed (will retry): {e}");
             }
             checkpointed = latest;
@@ -1476,7 +1496,41 @@ impl Inner {
         if seq % CHECKPOINT_COMMITS == 0 {
             self.background.ask_checkpoint();
         }
+        self.bound_log();
         seq
+    }
+
+    /// Cuts the write-ahead log back (copies it all into the database and
+    /// truncates it) once it holds more than [`WAL_BOUND_FRAMES`].
+    ///
+    /// Background checkpoints are passive: they never wait for writers, so
+    /// while commits arrive faster than a checkpoint copies and syncs (a slow
+    /// disk) each one ends behind the log's end, SQLite never restarts the
+    /// log, and it would grow without limit. The caller holds the directory
+    /// lock, so no write or read of this process runs meanwhile; the turn
+    /// waits for a background checkpoint in progress. Publications wait for
+    /// this one copy instead; nothing is lost (SQLite syncs the database
+    /// before it cuts the log).
+    fn bound_log(&self) {
+        let frames = self.background.log_frames.load(Ordering::Relaxed);
+        if frames <= WAL_BOUND_FRAMES {
+            return;
+        }
+        let Some(conn) = &self.conn else { return };
+        let _turn = self.background.checkpoint_turn.lock();
+        match schema::checkpoint_wal(conn) {
+            Ok(false) => {
+                log::warn!("checkpoint directory: a log of {frames} frames could not be cut back");
+            }
+            Ok(true) => {
+                self.background.log_frames.store(0, Ordering::Relaxed);
+                log::debug!("checkpoint directory: cut a log of {frames} frames back");
+            }
+            Err(e) => log::warn!(
+                "checkpoint directory: cutting a log of {frames} frames back failed \
+                 (will retry): {e}"
+            ),
+        }
     }
 
     fn conn(&self) -> Result<&Connection> {

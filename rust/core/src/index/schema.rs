@@ -34,7 +34,10 @@
 //! ("unsupported checkpoint directory schema 2"), so it never writes rows
 //! that lack the lmcache-rc columns.
 
+use std::ffi::c_int;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use rusqlite::types::{Value, ValueRef};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
@@ -398,9 +401,6 @@ fn check_version(conn: &Connection, name: &str) -> Result<i64> {
     Ok(version)
 }
 
-/// Log pages past which the main connection checkpoints by itself (the
-/// background thread normally checkpoints long before: about 2,000 pages).
-const AUTOCHECKPOINT_PAGES: u32 = 16_384;
 /// Size the write-ahead log file is cut back to when SQLite restarts it.
 const JOURNAL_SIZE_LIMIT: u64 = 64 << 20;
 
@@ -446,12 +446,11 @@ pub(super) fn open_connection(path: Option<&Path>, vfs: Option<&str>) -> Result<
     // operations that promise durability sync the log themselves, in group
     // commits (`durability.rs`). Checkpoints still sync (log before copying,
     // database after); they run on the background thread's own connection,
-    // and this one checkpoints only past AUTOCHECKPOINT_PAGES, a safety bound
-    // for a background thread that cannot keep up. The page cache (32 MiB at
-    // most) keeps the index pages of a large directory in memory.
+    // and this one cuts the log back only past a bound, for a background
+    // thread that cannot keep up (`count_log_frames`). The page cache (32 MiB
+    // at most) keeps the index pages of a large directory in memory.
     conn.execute_batch(&format!(
         "PRAGMA synchronous=NORMAL; PRAGMA cache_size=-32768; \
-         PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}; \
          PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}"
     ))
     .map_err(&not_db)?;
@@ -881,17 +880,37 @@ pub(super) fn open_checkpointer(path: &Path, vfs: Option<&str>) -> Result<Connec
     Ok(conn)
 }
 
-/// Copies as much of the write-ahead log into the database as it can
-/// without waiting for readers or writers.
-pub(super) fn checkpoint_passive(conn: &Connection) -> Result<()> {
-    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-        .db()
+/// Keeps `frames` equal to the frames in the write-ahead log after each
+/// commit of `conn`. The hook replaces SQLite's automatic checkpoint: the
+/// directory checkpoints on its background connection and cuts the log back
+/// itself past a bound (`Inner::bound_log` in `mod.rs`).
+pub(super) fn count_log_frames(conn: &mut Connection, frames: Arc<AtomicI64>) -> Result<()> {
+    conn.wal_hook(Some(move |_: &mut rusqlite::hooks::Wal, pages: c_int| {
+        frames.store(i64::from(pages), Ordering::Relaxed);
+        Ok(())
+    }))
+    .db()
 }
 
-/// Copies the write-ahead log into the database and truncates it.
-pub(super) fn checkpoint_wal(conn: &Connection) -> Result<()> {
-    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
-        .db()
+fn checkpoint(conn: &Connection, mode: &str) -> Result<bool> {
+    conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |r| {
+        r.get::<_, i64>(0).map(|busy| busy == 0)
+    })
+    .db()
+}
+
+/// Copies as much of the write-ahead log into the database as it can
+/// without waiting for readers or writers; true when it copied it all.
+pub(super) fn checkpoint_passive(conn: &Connection) -> Result<bool> {
+    checkpoint(conn, "PASSIVE")
+}
+
+/// Copies the write-ahead log into the database and truncates it (SQLite
+/// syncs the database before it cuts the log, so no commit is lost); false
+/// when something (another checkpoint, a writer or a reader of another
+/// connection) kept it from finishing.
+pub(super) fn checkpoint_wal(conn: &Connection) -> Result<bool> {
+    checkpoint(conn, "TRUNCATE")
 }
 
 /// One row of the open-time load: everything the in-memory lookup needs.
