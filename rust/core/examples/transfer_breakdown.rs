@@ -4,7 +4,9 @@
 //! 1, 64 and 1024 pages per job of 4 KiB, 256 KiB and 2 MiB, through a real
 //! RPC server in this process, with one copy thread and one job at a time.
 //! Next to each: a single-thread memcpy of the job's bytes and one RPC round
-//! trip (`capabilities`), measured in the same run.
+//! trip (`capabilities`), measured in the same run. Then the shape of
+//! `lmcache-rc bench` (16 jobs of 64 × 256 KiB at once): first the copy
+//! kernel alone (no RPC, no other thread), then through the engine.
 //!
 //! ```text
 //! cargo run --release -p lmcache-rc-core --example transfer_breakdown [-- MAX_JOB_MIB]
@@ -28,9 +30,10 @@ use lmcache_rc_core::protocol::Capabilities;
 use lmcache_rc_core::protocol::Checkpoints;
 use lmcache_rc_core::rpc::{Client, Server, ServerConfig};
 use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
+use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::transfer::{
-    CpuBackend, Direction, EngineConfig, Job, JobPhases, LeaseApi, LeaseCall, PoolShape,
-    ReplyHandle, TransferEngine,
+    CopyBackend, CopyPlan, CpuBackend, Direction, EngineConfig, Job, JobPhases, LeaseApi,
+    LeaseCall, PageCopy, PoolShape, ReplyHandle, TransferEngine,
 };
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation};
 
@@ -215,6 +218,77 @@ fn huge_pool(len: usize) -> Vec<u8> {
     v
 }
 
+/// The copy kernel alone, in the shape of [`pipelined`]: `CpuBackend::copy`
+/// of 16 plans of 64 × 256 KiB each, one after another on this thread, no
+/// RPC and no other thread, into and out of a pool of its own. Set beside
+/// the pipelined figures, it tells the copy's own speed from what running
+/// inside the engine costs it (hand-over gaps, other threads on the cores).
+fn kernel_alone(src: &mut [u8], dst: &mut [u8], per_job: u64, jobs: u64, page: u64) {
+    let rows = jobs * per_job + 1;
+    let pool = ShmPool::create(rows * page).expect("pool");
+    let shape = PoolShape {
+        num_blocks: rows,
+        page_bytes: page,
+    };
+    let mut memcpy = Vec::new();
+    let mut line = String::new();
+    for (name, direction, buf) in [
+        ("store  ", Direction::Store, &mut *src),
+        ("restore", Direction::Retrieve, &mut *dst),
+    ] {
+        // SAFETY: `buf` outlives the backend (dropped at the end of the loop).
+        let backend = unsafe { CpuBackend::new(buf.as_mut_ptr(), shape) }.expect("backend");
+        let mut per_copy = Vec::new();
+        let mut walls = Vec::new();
+        for round in 0..6 {
+            let t = Instant::now();
+            for job in 0..jobs {
+                let pages = (0..per_job)
+                    .map(|p| PageCopy {
+                        group: 0,
+                        block: 1 + job * per_job + p,
+                        shm_offset: (job * per_job + p) * page,
+                        page_bytes: page,
+                    })
+                    .collect();
+                let plan = CopyPlan {
+                    direction,
+                    pages,
+                    skipped: 0,
+                };
+                let c = Instant::now();
+                assert!(backend.copy(&plan, &pool, None).is_ok(), "copy failed");
+                if round > 0 {
+                    per_copy.push(c.elapsed());
+                }
+            }
+            if round > 0 {
+                walls.push(t.elapsed());
+            }
+        }
+        let job_bytes = (per_job * page) as f64;
+        let all = (jobs * per_job * page) as f64;
+        line.push_str(&format!(
+            "  {name}: {:6.2} GB/s (per copy p50 {:.2} GB/s)",
+            all / median(walls).as_secs_f64() / 1e9,
+            job_bytes / median(per_copy).as_secs_f64() / 1e9,
+        ));
+        line.push('\n');
+    }
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(src);
+        memcpy.push(t.elapsed());
+    }
+    dst.fill(0);
+    println!(
+        "copy kernel alone (CpuBackend::copy, {jobs} x {per_job} x 256 KiB, no RPC): memcpy of the \
+         whole buffer {:.2} GB/s",
+        (src.len() as f64) / median(memcpy).as_secs_f64() / 1e9
+    );
+    print!("{line}");
+}
+
 /// The shape of `lmcache-rc bench`: 16 jobs of 64 × 256 KiB submitted at
 /// once, 1 and 2 copy threads; where the copy threads' time went.
 fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u32) {
@@ -225,6 +299,7 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
     let len = (rows * PAGE) as usize;
     let mut src = huge_pool(len);
     let mut dst = huge_pool(len);
+    kernel_alone(&mut src, &mut dst, PER_JOB, JOBS, PAGE);
     for workers in [1usize, 2] {
         let shape = PoolShape {
             num_blocks: rows,
