@@ -180,3 +180,205 @@ fn too_many_watched_generations_are_refused<T: Target>() {
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
     svc.close().unwrap();
 }
+
+/// The moves to the shared tier (feature `shared-tier`): an upload is a
+/// `tier` change to `shared`, after `l2` on a host with L2 and straight from
+/// `l1` without; an import is listed `shared` and never moves down; a
+/// reopened host lists what survived as `l2` and moves it to `shared` when
+/// its start-up pass finds it uploaded. Every shared tier here is a `file://`
+/// directory.
+#[cfg(feature = "shared-tier")]
+mod shared {
+    use std::time::{Duration, Instant};
+
+    use lmcache_rc_core::protocol::Checkpoints;
+    use lmcache_rc_core::service::ServiceConfig;
+
+    use super::{entries, tier};
+    use crate::service_common::*;
+    use crate::service_shared::{file_host, file_shared, query, turn, wait_uploads};
+
+    both_ways!(
+        an_upload_moves_a_durable_generation_from_l2_to_shared_in_order,
+        without_l2_an_upload_moves_a_generation_from_l1_to_shared,
+        an_imported_generation_is_listed_shared_and_its_l2_copy_does_not_move_it_down,
+        a_reopened_host_lists_its_generation_l2_then_moves_it_to_shared,
+    );
+
+    /// Where a tier stands in `l1 < l2 < shared`.
+    fn rank(t: &Option<String>) -> usize {
+        match t.as_deref() {
+            Some("l1") => 1,
+            Some("l2") => 2,
+            Some("shared") => 3,
+            other => panic!("not a listed tier: {other:?}"),
+        }
+    }
+
+    /// Polls the feed from `since` while the generation `g` becomes durable
+    /// and is uploaded, until its watched tier is `shared` (hang guard).
+    /// Each reply's watched tier must be where the changes read so far leave
+    /// it (the convergence guarantee), and the watched tiers never go down.
+    /// Returns every change read and the next position.
+    fn follow_until_shared(
+        svc: &impl AsTarget,
+        epoch: &str,
+        mut since: u64,
+        g: &str,
+    ) -> (Vec<(String, String, Option<String>)>, u64) {
+        let svc = svc.target();
+        let watch = [g.to_string()];
+        let deadline = Instant::now() + HANG_GUARD;
+        let mut seen = Vec::new();
+        let mut last_rank = 0;
+        loop {
+            let batch = svc.changes(since, &watch).unwrap();
+            assert_eq!(batch.epoch, epoch);
+            assert!(!batch.truncated && !batch.more);
+            seen.extend(entries(&batch));
+            since = batch.next_seq;
+            let so_far = seen.last().and_then(|(_, _, t)| t.clone());
+            assert_eq!(
+                batch.watched,
+                vec![so_far],
+                "the watched tier is the one the changes so far end at: {seen:?}"
+            );
+            let now = rank(&batch.watched[0]);
+            assert!(now >= last_rank, "a tier never moves down: {seen:?}");
+            last_rank = now;
+            if batch.watched[0] == tier("shared") {
+                return (seen, since);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never reported shared: {seen:?}, {:?}",
+                svc.status().unwrap().values
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn an_upload_moves_a_durable_generation_from_l2_to_shared_in_order<T: Target>() {
+        let (dir, shared) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        // Every shared-tier request waits 20 ms: the upload usually ends
+        // well after the L2 write, so the polls see the `l2` step (the
+        // assertions do not rely on it).
+        let latency = Duration::from_millis(20);
+        let svc = T::open(file_host(dir.path(), shared.path(), latency)).unwrap();
+        let start = svc.changes(u64::MAX, &[]).unwrap();
+        let m = turn(NS, 72_000, 48);
+        let g = m.generation().to_string();
+        store_all(&svc, &m);
+        let (seen, next) = follow_until_shared(&svc, &start.epoch, start.next_seq, &g);
+        assert_eq!(
+            seen,
+            vec![
+                (g.clone(), "listed".into(), tier("l1")),
+                (g.clone(), "tier".into(), tier("l2")),
+                (g.clone(), "tier".into(), tier("shared")),
+            ],
+            "listed, durable in L2, then uploaded: in that order"
+        );
+        assert_eq!(next, start.next_seq + 3);
+        settle(&svc);
+        wait_uploads(&svc, 1);
+        assert_eq!(stat(&svc, "shared_manifests_written"), 1);
+        let after = svc.changes(next, &[g]).unwrap();
+        assert!(after.changes.is_empty(), "nothing after shared");
+        assert_eq!(after.watched, vec![tier("shared")]);
+        svc.close().unwrap();
+    }
+
+    fn without_l2_an_upload_moves_a_generation_from_l1_to_shared<T: Target>() {
+        let shared = tempfile::tempdir().unwrap();
+        let svc = T::open(ServiceConfig {
+            shared: Some(file_shared(shared.path(), Duration::ZERO)),
+            ..config("feed-shared-no-l2", None)
+        })
+        .unwrap();
+        let start = svc.changes(u64::MAX, &[]).unwrap();
+        let m = turn(NS, 73_000, 48);
+        let g = m.generation().to_string();
+        store_all(&svc, &m);
+        let (seen, _) = follow_until_shared(&svc, &start.epoch, start.next_seq, &g);
+        assert_eq!(
+            seen,
+            vec![
+                (g.clone(), "listed".into(), tier("l1")),
+                (g, "tier".into(), tier("shared")),
+            ],
+            "uploaded once published: no l2 step"
+        );
+        wait_uploads(&svc, 1);
+        svc.close().unwrap();
+    }
+
+    fn an_imported_generation_is_listed_shared_and_its_l2_copy_does_not_move_it_down<T: Target>() {
+        let (dir_a, dir_b, shared) = (
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+        );
+        let a = T::open(file_host(dir_a.path(), shared.path(), Duration::ZERO)).unwrap();
+        let b = T::open(file_host(dir_b.path(), shared.path(), Duration::ZERO)).unwrap();
+        let m = turn(NS, 74_000, 48);
+        let g = m.generation().to_string();
+        store_all(&a, &m);
+        settle(&a);
+        wait_uploads(&a, 1);
+        let start = b.changes(u64::MAX, &[]).unwrap();
+        assert_eq!(b.find(&query(NS, 74_000, 60)).unwrap().as_ref(), Some(&m));
+        let imported = b.changes(start.next_seq, std::slice::from_ref(&g)).unwrap();
+        assert_eq!(
+            entries(&imported),
+            vec![(g.clone(), "listed".into(), tier("shared"))],
+            "an import is listed in the tier it came from"
+        );
+        assert_eq!(imported.watched, vec![tier("shared")]);
+        // Fetched, written to B's L2 and found present by B's upload: durable
+        // here too, and still `shared` (the most durable tier it reached).
+        restore_all(&b, &m);
+        settle(&b);
+        wait_uploads(&b, 1);
+        let rows = b.list_generations().unwrap();
+        assert!(rows.len() == 1 && rows[0].durable, "durable on B: {rows:?}");
+        let after = b.changes(imported.next_seq, &[g]).unwrap();
+        assert!(
+            after.changes.is_empty(),
+            "no change down to l2: {:?}",
+            entries(&after)
+        );
+        assert_eq!(after.watched, vec![tier("shared")]);
+        a.close().unwrap();
+        b.close().unwrap();
+    }
+
+    fn a_reopened_host_lists_its_generation_l2_then_moves_it_to_shared<T: Target>() {
+        let (dir, shared) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let m = turn(NS, 75_000, 48);
+        let g = m.generation().to_string();
+        {
+            let svc = T::open(file_host(dir.path(), shared.path(), Duration::ZERO)).unwrap();
+            store_all(&svc, &m);
+            settle(&svc);
+            wait_uploads(&svc, 1);
+            svc.close().unwrap();
+        }
+        // The reopened host knows its L2 copy only; its start-up pass finds
+        // the upload present (a HEAD) and moves the generation to `shared`.
+        let svc = T::open(file_host(dir.path(), shared.path(), Duration::ZERO)).unwrap();
+        let epoch = svc.changes(u64::MAX, &[]).unwrap().epoch;
+        let (seen, _) = follow_until_shared(&svc, &epoch, 0, &g);
+        assert_eq!(
+            seen,
+            vec![
+                (g.clone(), "listed".into(), tier("l2")),
+                (g, "tier".into(), tier("shared")),
+            ]
+        );
+        wait_uploads(&svc, 1);
+        assert_eq!(stat(&svc, "shared_manifests_present"), 1);
+        assert_eq!(stat(&svc, "shared_manifests_written"), 0);
+        svc.close().unwrap();
+    }
+}

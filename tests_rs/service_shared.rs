@@ -54,18 +54,18 @@ fn host(dir: &Path, server: &S3Server, bucket: &str) -> ServiceConfig {
 }
 
 /// A turn of a conversation: the first `n` tokens of sequence `base`.
-fn turn(ns: &str, base: u32, n: u32) -> Manifest {
+pub(crate) fn turn(ns: &str, base: u32, n: u32) -> Manifest {
     standard(ns, &seq(base, n), "prompt", 2)
 }
 
 /// The chunk roots of a query (what the connector's `find` sends).
-fn query(ns: &str, base: u32, n: u32) -> Vec<lmcache_rc_core::Prefix> {
+pub(crate) fn query(ns: &str, base: u32, n: u32) -> Vec<lmcache_rc_core::Prefix> {
     TokenRoots::build(ns, seq(base, n), 4096).unwrap().roots()
 }
 
 /// Waits until the host's upload queue is empty and `n` uploads ended
 /// (written or found present), or the hang guard passes.
-fn wait_uploads(svc: &impl AsTarget, n: u64) {
+pub(crate) fn wait_uploads(svc: &impl AsTarget, n: u64) {
     let deadline = Instant::now() + HANG_GUARD;
     loop {
         let done = stat(svc, "shared_manifests_written") + stat(svc, "shared_manifests_present");
@@ -322,15 +322,21 @@ fn a_full_upload_queue_drops_the_oldest_upload() {
     assert_eq!(stat(&a, "shared_uploads_queued"), 4);
 }
 
-/// A host whose shared tier is the directory `shared` (`file://`), every
-/// request to it held `latency` (the test-only `inject_latency`).
-fn file_host(dir: &Path, shared: &Path, latency: Duration) -> ServiceConfig {
+/// A shared tier on the directory `shared` (`file://`), every request to
+/// it held `latency` (the test-only `inject_latency`).
+pub(crate) fn file_shared(shared: &Path, latency: Duration) -> SharedSettings {
+    SharedSettings {
+        lookup_timeout: Duration::from_secs(10),
+        inject_latency: latency,
+        ..SharedSettings::new(format!("file://{}", shared.display()))
+    }
+}
+
+/// A host with a durable directory and L2 under `dir` whose shared tier is
+/// [`file_shared`].
+pub(crate) fn file_host(dir: &Path, shared: &Path, latency: Duration) -> ServiceConfig {
     ServiceConfig {
-        shared: Some(SharedSettings {
-            lookup_timeout: Duration::from_secs(10),
-            inject_latency: latency,
-            ..SharedSettings::new(format!("file://{}", shared.display()))
-        }),
+        shared: Some(file_shared(shared, latency)),
         ..durable_config("shared-file-host", dir)
     }
 }
