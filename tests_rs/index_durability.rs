@@ -137,6 +137,21 @@ fn a_closed_directory_refuses_durable_marks() {
     );
 }
 
+/// Publishes 3,000 one-page generations named `<tag><i>` (seven per first
+/// token), calling `after_each` after every publication.
+fn publish_many(dir: &Directory, tag: &str, mut after_each: impl FnMut()) {
+    for i in 0..3_000u32 {
+        let m = manifest(
+            &format!("{tag}{i}"),
+            prefix(&[i / 7 + 1, i % 7 + 1]),
+            1,
+            payload(tag),
+        );
+        publish(dir, &m);
+        after_each();
+    }
+}
+
 #[test]
 fn many_publications_keep_the_write_ahead_log_bounded() {
     // The background thread checkpoints; a commit cuts the log back past
@@ -144,15 +159,7 @@ fn many_publications_keep_the_write_ahead_log_bounded() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("directory.sqlite3");
     let dir = file(&path, config(100_000, 128));
-    for i in 0..3_000u32 {
-        let m = manifest(
-            &format!("w{i}"),
-            prefix(&[i / 7 + 1, i % 7 + 1]),
-            1,
-            payload("w"),
-        );
-        publish(&dir, &m);
-    }
+    publish_many(&dir, "w", || {});
     let wal = tmp.path().join("directory.sqlite3-wal");
     let bytes = std::fs::metadata(&wal).map_or(0, |m| m.len());
     assert!(bytes <= 40 << 20, "write-ahead log of {bytes} bytes");
@@ -179,16 +186,9 @@ fn a_slow_disk_does_not_let_the_write_ahead_log_outgrow_its_bound() {
     let dir = file(&path, config);
     let wal = tmp.path().join("directory.sqlite3-wal");
     let mut largest = 0;
-    for i in 0..3_000u32 {
-        let m = manifest(
-            &format!("s{i}"),
-            prefix(&[i / 7 + 1, i % 7 + 1]),
-            1,
-            payload("s"),
-        );
-        publish(&dir, &m);
+    publish_many(&dir, "s", || {
         largest = largest.max(std::fs::metadata(&wal).map_or(0, |m| m.len()));
-    }
+    });
     assert!(
         largest <= 40 << 20,
         "write-ahead log grew to {largest} bytes"
