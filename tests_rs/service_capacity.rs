@@ -24,44 +24,8 @@ every_policy!(
     a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable,
     making_room_for_a_restore_never_retires_the_generation_it_restores,
     a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed,
+    a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it,
 );
-
-// Not yet under `every_policy!` (it fails on the current code): see the
-// test's own comment.
-mod a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it {
-    mod lru {
-        #[test]
-        #[ignore = "bug: a retrieve that waits on a Writing page leaves its lease in the object's waiters forever (slot never evicted, object never reclaimed)"]
-        fn in_process() {
-            super::super::a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it::<
-                lmcache_rc_core::service::CheckpointService,
-            >(lmcache_rc_core::cost::Eviction::Lru);
-        }
-        #[test]
-        #[ignore = "bug: a retrieve that waits on a Writing page leaves its lease in the object's waiters forever (slot never evicted, object never reclaimed)"]
-        fn over_the_socket() {
-            super::super::a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it::<
-                crate::service_common::Remote,
-            >(lmcache_rc_core::cost::Eviction::Lru);
-        }
-    }
-    mod cost {
-        #[test]
-        #[ignore = "bug: a retrieve that waits on a Writing page leaves its lease in the object's waiters forever (slot never evicted, object never reclaimed)"]
-        fn in_process() {
-            super::super::a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it::<
-                lmcache_rc_core::service::CheckpointService,
-            >(lmcache_rc_core::cost::Eviction::Cost);
-        }
-        #[test]
-        #[ignore = "bug: a retrieve that waits on a Writing page leaves its lease in the object's waiters forever (slot never evicted, object never reclaimed)"]
-        fn over_the_socket() {
-            super::super::a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it::<
-                crate::service_common::Remote,
-            >(lmcache_rc_core::cost::Eviction::Cost);
-        }
-    }
-}
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
 fn pool_filler(base: u32) -> Manifest {

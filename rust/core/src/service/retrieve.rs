@@ -456,13 +456,19 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
                     lease.held[i] = true;
                 }
             }
-            Some(L1::Loading | L1::Writing(_)) => {
+            // A load's end hands its waiters a reader (`end_load`); only
+            // a load's: a store's finish or discard takes no waiters, so a
+            // lease waiting on a page being written would stay in its
+            // waiters for ever (never idle: never evicted nor reclaimed).
+            // The next poll looks at it again instead.
+            Some(L1::Loading) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
                         obj.waiters.push(lease_no);
                     }
                 }
             }
+            Some(L1::Writing(_)) => {}
             _ => to_place.push(key),
         }
     }
@@ -490,13 +496,15 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
         match state {
             // An earlier page of this pass started its load already (the
             // same object twice in the rank).
-            Some((L1::Loading | L1::Writing(_), _, _, _)) => {
+            Some((L1::Loading, _, _, _)) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
                         obj.waiters.push(lease_no);
                     }
                 }
             }
+            // Not a load: the next poll looks again (see pass 1).
+            Some((L1::Writing(_), _, _, _)) => {}
             Some((L1::Absent, l2, bytes, remote)) if l2 == L2::Durable || remote.is_some() => {
                 let mut slot = st.alloc.alloc(bytes);
                 if slot.is_none() {
