@@ -25,44 +25,8 @@ every_policy!(
     making_room_for_a_restore_never_retires_the_generation_it_restores,
     a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed,
     a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it,
+    a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses,
 );
-
-// Fails on the current code (see the scenario); under `every_policy!` once fixed.
-mod a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses {
-    use lmcache_rc_core::cost::Eviction;
-    use lmcache_rc_core::service::CheckpointService;
-
-    use crate::service_common::Remote;
-
-    #[test]
-    #[ignore = "bug: a store that cannot fit evicts (retires) the generation whose L1-only pages it reuses, then misses capacity anyway"]
-    fn lru_in_process() {
-        super::a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses::<
-            CheckpointService,
-        >(Eviction::Lru);
-    }
-    #[test]
-    #[ignore = "bug: a store that cannot fit evicts (retires) the generation whose L1-only pages it reuses, then misses capacity anyway"]
-    fn lru_over_the_socket() {
-        super::a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses::<Remote>(
-            Eviction::Lru,
-        );
-    }
-    #[test]
-    #[ignore = "bug: a store that cannot fit evicts (retires) the generation whose L1-only pages it reuses, then misses capacity anyway"]
-    fn cost_in_process() {
-        super::a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses::<
-            CheckpointService,
-        >(Eviction::Cost);
-    }
-    #[test]
-    #[ignore = "bug: a store that cannot fit evicts (retires) the generation whose L1-only pages it reuses, then misses capacity anyway"]
-    fn cost_over_the_socket() {
-        super::a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses::<Remote>(
-            Eviction::Cost,
-        );
-    }
-}
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
 fn pool_filler(base: u32) -> Manifest {
