@@ -26,40 +26,8 @@ every_policy!(
     a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed,
     a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it,
     a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses,
+    a_restore_of_a_page_larger_than_the_pool_evicts_nothing,
 );
-
-// Fails on the current code (see the scenario); under `every_policy!` once fixed.
-mod a_restore_of_a_page_larger_than_the_pool_evicts_nothing {
-    use lmcache_rc_core::cost::Eviction;
-    use lmcache_rc_core::service::CheckpointService;
-
-    use crate::service_common::Remote;
-
-    #[test]
-    #[ignore = "bug: a restore of a page larger than the pool evicts every idle L1 copy (it asks evict_for for u64::MAX bytes)"]
-    fn lru_in_process() {
-        super::a_restore_of_a_page_larger_than_the_pool_evicts_nothing::<CheckpointService>(
-            Eviction::Lru,
-        );
-    }
-    #[test]
-    #[ignore = "bug: a restore of a page larger than the pool evicts every idle L1 copy (it asks evict_for for u64::MAX bytes)"]
-    fn lru_over_the_socket() {
-        super::a_restore_of_a_page_larger_than_the_pool_evicts_nothing::<Remote>(Eviction::Lru);
-    }
-    #[test]
-    #[ignore = "bug: a restore of a page larger than the pool evicts every idle L1 copy (it asks evict_for for u64::MAX bytes)"]
-    fn cost_in_process() {
-        super::a_restore_of_a_page_larger_than_the_pool_evicts_nothing::<CheckpointService>(
-            Eviction::Cost,
-        );
-    }
-    #[test]
-    #[ignore = "bug: a restore of a page larger than the pool evicts every idle L1 copy (it asks evict_for for u64::MAX bytes)"]
-    fn cost_over_the_socket() {
-        super::a_restore_of_a_page_larger_than_the_pool_evicts_nothing::<Remote>(Eviction::Cost);
-    }
-}
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
 fn pool_filler(base: u32) -> Manifest {

@@ -480,7 +480,9 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             .iter()
             .filter_map(|key| st.objects.get(key))
             .filter(|o| o.l1 == L1::Absent && (o.l2 == L2::Durable || o.remote.is_some()))
-            .map(|o| st.alloc.reserved_for(o.page_bytes).unwrap_or(u64::MAX))
+            // A page larger than the pool can never fit: no room is made
+            // for it (it waits out the retrieve timeout).
+            .filter_map(|o| st.alloc.reserved_for(o.page_bytes))
             .fold(0u64, u64::saturating_add);
         if need > 0 {
             st.make_room(need, true, &own);
@@ -508,9 +510,11 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             Some((L1::Absent, l2, bytes, remote)) if l2 == L2::Durable || remote.is_some() => {
                 let mut slot = st.alloc.alloc(bytes);
                 if slot.is_none() {
-                    let reserved = st.alloc.reserved_for(bytes).unwrap_or(u64::MAX);
-                    if st.evict_for(reserved, true) {
-                        slot = st.alloc.alloc(bytes);
+                    // None: larger than the whole pool, no eviction helps.
+                    if let Some(reserved) = st.alloc.reserved_for(bytes) {
+                        if st.evict_for(reserved, true) {
+                            slot = st.alloc.alloc(bytes);
+                        }
                     }
                 }
                 let Some(slot) = slot else {
