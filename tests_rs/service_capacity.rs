@@ -24,6 +24,9 @@ every_policy!(
     a_generation_larger_than_l2_publishes_from_l1_and_is_never_durable,
     making_room_for_a_restore_never_retires_the_generation_it_restores,
     a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed,
+    a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it,
+    a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses,
+    a_restore_of_a_page_larger_than_the_pool_evicts_nothing,
 );
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
@@ -350,6 +353,196 @@ fn a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed<T: T
         svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
             .unwrap();
     }
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+/// A retrieve lease waits for a page another lease is writing (`Writing`:
+/// pass 1 of `advance_retrieve`). Only an L2 load's end takes the leases
+/// waiting on an object (`end_load`); a store's finish or discard never
+/// does. So the lease's number stayed in the object's `waiters` after the
+/// write committed and the lease was finished: the object was never idle
+/// again — its L1 copy never evictable, and once nothing referenced it,
+/// never reclaimed (slot, L2 file and record leaked until restart; even a
+/// forced clear of every tier kept it).
+///
+/// The page gets into `Writing` under a waiting lease like this: a restore
+/// waits for room (the pool is full of leased pages), its generation is
+/// invalidated (its disk page goes), and the same checkpoint is stored again
+/// (with a shared tier, simply: an imported generation's page known only
+/// from the shared tier, stored locally by another generation).
+fn a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it<T: Target>(
+    eviction: Eviction,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let l2 = dir.path().join("l2");
+    let svc = T::open(with_eviction(config("wait-written", Some(&l2)), eviction)).unwrap();
+    let ns = "recurrent-sha256-v1:wait-written";
+    let m = mib_pages(ns, &seq(54_000, 16));
+    store_all(&svc, &m);
+    settle(&svc);
+    svc.clear(false, false).unwrap();
+    let filler = pool_filler(55_000);
+    store_all(&svc, &filler);
+    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+    let begun = svc.begin_retrieve(&m, 0).unwrap();
+    assert_eq!(begun.status, LeaseStatus::Pending, "{begun:?}");
+    let id = begun.lease_id.clone().unwrap();
+    // m goes (its page with it); the same checkpoint is stored again.
+    assert_eq!(svc.invalidate_namespace(ns).unwrap(), 1);
+    settle(&svc);
+    for lease in &leases {
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
+            .unwrap();
+    }
+    assert!(svc.begin(&m).unwrap());
+    let store = prepare(&svc, &m, 0);
+    assert_eq!(store.status, LeaseStatus::Ready, "{store:?}");
+    // The waiting lease now finds its page being written: it waits.
+    let waiting = svc.poll_retrieve(&id, Some(0)).unwrap();
+    assert_eq!(waiting.status, LeaseStatus::Pending, "{waiting:?}");
+    fill(&svc, &m, 0, &store);
+    assert!(
+        svc.finish_store(store.lease_id.as_deref().unwrap(), true, None)
+            .unwrap()
+    );
+    let ready = svc.poll_retrieve(&id, Some(0)).unwrap();
+    assert_eq!(ready.status, LeaseStatus::Ready, "{ready:?}");
+    check_slots(&svc, &m, 0, &ready);
+    svc.finish_retrieve(&id, None).unwrap();
+    settle(&svc);
+    assert_idle(&svc);
+
+    // Everything goes: nothing may keep the page.
+    assert_eq!(svc.invalidate_namespace(ns).unwrap(), 1);
+    settle(&svc);
+    assert_eq!(
+        svc.unreferenced_objects(),
+        0,
+        "the page nothing references was reclaimed"
+    );
+    let report = svc.clear(true, true).unwrap();
+    assert_eq!(report.kept_objects, 0, "{report:?}");
+    assert_eq!(stat(&svc, "objects"), 0);
+    assert_eq!(stat(&svc, "l1_bytes"), 0);
+    assert_eq!(l2_files(&l2), (0, 0));
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+/// One rank of two attention groups of 1 MiB pages, one page per 16 tokens
+/// each (a prefix of `tokens` shares its full pages in both groups).
+fn two_group_mib_pages(ns: &str, tokens: &[u32]) -> Manifest {
+    let pages = (tokens.len() as u64).div_ceil(16);
+    let groups: Vec<GroupSpec> = (0..2)
+        .map(|g| {
+            GroupSpec::new(
+                &format!("engine-kv-group:{g}"),
+                1 << 20,
+                (0..pages).collect(),
+                Role::Attention(16),
+            )
+        })
+        .collect();
+    build_manifest(ns, tokens, 1, &groups, 2, "prompt")
+}
+
+/// A store that reuses an earlier turn's L1-only pages and needs room for
+/// its new ones, when the only evictable copies are those reused pages: it
+/// cannot fit (room made from a page it reuses must be given back to that
+/// page), so it must miss `capacity` without evicting anything — "an
+/// oversized store must not retire generations for nothing". The capacity
+/// check counts the reused pages as evictable, so the attempt goes on; the
+/// first group's new page takes the second group's reused page (not yet
+/// pinned) from L1, which retires the earlier turn, and the second group
+/// then finds no room for that very page: the store misses anyway, and the
+/// earlier turn is gone for nothing.
+fn a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses<T: Target>(
+    eviction: Eviction,
+) {
+    let svc = T::open(with_eviction(config("reuse-room", None), eviction)).unwrap();
+    let ns = "recurrent-sha256-v1:reuse-room";
+    let tokens = seq(56_000, 32);
+    let turn1 = two_group_mib_pages(ns, &tokens[..16]);
+    let turn2 = two_group_mib_pages(ns, &tokens);
+    store_all(&svc, &turn1);
+    // Two read-leased 1 MiB pages fill the rest of the pool.
+    let groups = vec![GroupSpec::new(
+        "engine-kv-group:0",
+        1 << 20,
+        vec![0],
+        Role::Endpoint("state".into()),
+    )];
+    let held = build_manifest(NS, &seq(57_000, 16), 2, &groups, 2, "prompt");
+    store_all(&svc, &held);
+    let leases: Vec<_> = (0..2).map(|rank| open_read(&svc, &held, rank)).collect();
+    assert_eq!(stat(&svc, "l1_bytes"), 4 << 20, "the pool is full");
+
+    assert!(svc.begin(&turn2).unwrap());
+    let miss = svc.prepare_store(&turn2, 0).unwrap();
+    assert_eq!(miss.status, LeaseStatus::Miss, "{miss:?}");
+    assert_eq!(miss.reason, Some(MissReason::Capacity), "{miss:?}");
+    assert!(
+        is_listed(&svc, &turn1),
+        "the turn whose pages the store reuses was retired for a store that did not fit"
+    );
+    assert_eq!(stat(&svc, "evictions"), 0);
+    restore_all(&svc, &turn1);
+    for lease in &leases {
+        svc.finish_retrieve(lease.lease_id.as_deref().unwrap(), None)
+            .unwrap();
+    }
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+/// A listed generation can name a page larger than the whole pool: its
+/// pages were stored under a larger `l1_bytes` (here: before a restart with
+/// a smaller pool; likewise one imported from a host with a larger pool).
+/// No eviction can ever make room for it, so a restore of it must evict
+/// nothing. `reserved_for` answers None for such a page and the restore path
+/// asks for `u64::MAX` bytes instead: every idle L1 copy was evicted (an
+/// L1-only one retiring its generation), at every poll, for a restore that
+/// then waited out its `retrieve_timeout`.
+fn a_restore_of_a_page_larger_than_the_pool_evicts_nothing<T: Target>(eviction: Eviction) {
+    let dir = tempfile::tempdir().unwrap();
+    let groups = vec![GroupSpec::new(
+        "engine-kv-group:0",
+        6 << 20,
+        vec![0],
+        Role::Endpoint("state".into()),
+    )];
+    let big = build_manifest(NS, &seq(58_000, 16), 1, &groups, 2, "prompt");
+    {
+        let cfg = ServiceConfig {
+            l1_bytes: 8 << 20,
+            ..durable_config("page-over-pool", dir.path())
+        };
+        let svc = T::open(with_eviction(cfg, eviction)).unwrap();
+        store_all(&svc, &big);
+        settle(&svc);
+        svc.close().unwrap();
+    }
+    let svc = T::open(with_eviction(
+        durable_config("page-over-pool", dir.path()),
+        eviction,
+    ))
+    .unwrap();
+    assert!(is_listed(&svc, &big));
+    let small = mib_pages("recurrent-sha256-v1:page-over-pool", &seq(59_000, 16));
+    store_all(&svc, &small);
+    settle(&svc);
+    assert_eq!(stat(&svc, "l1_objects"), 1);
+
+    let begun = svc.begin_retrieve(&big, 0).unwrap();
+    assert_ne!(begun.status, LeaseStatus::Ready, "{begun:?}");
+    assert_eq!(stat(&svc, "l1_evictions"), 0, "nothing can make room");
+    assert_eq!(stat(&svc, "l1_objects"), 1);
+    if begun.status == LeaseStatus::Pending {
+        svc.cancel_retrieve(begun.lease_id.as_deref().unwrap(), None)
+            .unwrap();
+    }
+    restore_all(&svc, &small);
     assert_idle(&svc);
     svc.close().unwrap();
 }

@@ -456,13 +456,19 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
                     lease.held[i] = true;
                 }
             }
-            Some(L1::Loading | L1::Writing(_)) => {
+            // A load's end hands its waiters a reader (`end_load`); only
+            // a load's: a store's finish or discard takes no waiters, so a
+            // lease waiting on a page being written would stay in its
+            // waiters for ever (never idle: never evicted nor reclaimed).
+            // The next poll looks at it again instead.
+            Some(L1::Loading) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
                         obj.waiters.push(lease_no);
                     }
                 }
             }
+            Some(L1::Writing(_)) => {}
             _ => to_place.push(key),
         }
     }
@@ -474,7 +480,9 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             .iter()
             .filter_map(|key| st.objects.get(key))
             .filter(|o| o.l1 == L1::Absent && (o.l2 == L2::Durable || o.remote.is_some()))
-            .map(|o| st.alloc.reserved_for(o.page_bytes).unwrap_or(u64::MAX))
+            // A page larger than the pool can never fit: no room is made
+            // for it (it waits out the retrieve timeout).
+            .filter_map(|o| st.alloc.reserved_for(o.page_bytes))
             .fold(0u64, u64::saturating_add);
         if need > 0 {
             st.make_room(need, true, &own);
@@ -490,19 +498,23 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
         match state {
             // An earlier page of this pass started its load already (the
             // same object twice in the rank).
-            Some((L1::Loading | L1::Writing(_), _, _, _)) => {
+            Some((L1::Loading, _, _, _)) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
                         obj.waiters.push(lease_no);
                     }
                 }
             }
+            // Not a load: the next poll looks again (see pass 1).
+            Some((L1::Writing(_), _, _, _)) => {}
             Some((L1::Absent, l2, bytes, remote)) if l2 == L2::Durable || remote.is_some() => {
                 let mut slot = st.alloc.alloc(bytes);
                 if slot.is_none() {
-                    let reserved = st.alloc.reserved_for(bytes).unwrap_or(u64::MAX);
-                    if st.evict_for(reserved, true) {
-                        slot = st.alloc.alloc(bytes);
+                    // None: larger than the whole pool, no eviction helps.
+                    if let Some(reserved) = st.alloc.reserved_for(bytes) {
+                        if st.evict_for(reserved, true) {
+                            slot = st.alloc.alloc(bytes);
+                        }
                     }
                 }
                 let Some(slot) = slot else {

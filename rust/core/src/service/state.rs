@@ -790,10 +790,12 @@ impl State {
         obj.pins += 1;
     }
 
-    /// Bytes of the pool [`State::evict_for`] could free at most.
-    pub fn evictable_bytes(&self, retire_ok: bool) -> u64 {
+    /// Bytes of the pool [`State::evict_for_sparing`] could free at most
+    /// without the objects in `spare`.
+    pub fn evictable_bytes_sparing(&self, retire_ok: bool, spare: &HashSet<ObjectKey>) -> u64 {
         self.lru
             .values()
+            .filter(|key| !spare.contains(*key))
             .filter_map(|key| self.objects.get(key))
             .filter(|obj| Self::evictable(obj, retire_ok))
             .filter_map(|obj| obj.slot.map(|s| s.reserved))
@@ -807,6 +809,18 @@ impl State {
     /// ones are deleted; when `retire_ok`, an object whose only copy is L1
     /// takes its generations with it (they are retired in the same step).
     pub fn evict_for(&mut self, needed: u64, retire_ok: bool) -> bool {
+        self.evict_for_sparing(needed, retire_ok, &HashSet::new())
+    }
+
+    /// [`State::evict_for`] that never takes the objects in `spare` (a
+    /// store's pages whose only copy is L1: room taken from one of them
+    /// would have to be given back to it).
+    pub fn evict_for_sparing(
+        &mut self,
+        needed: u64,
+        retire_ok: bool,
+        spare: &HashSet<ObjectKey>,
+    ) -> bool {
         if self.alloc.largest_free() >= needed {
             return true;
         }
@@ -818,7 +832,9 @@ impl State {
             if self.alloc.largest_free() >= needed {
                 break;
             }
-            self.evict_one(&key, retire_ok);
+            if !spare.contains(&key) {
+                self.evict_one(&key, retire_ok);
+            }
         }
         self.alloc.largest_free() >= needed
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::Inner;
 use super::counters::Counter;
 use super::reclaim::Holder;
-use super::state::{L1, PendingGen, RankState, State, StoreLease};
+use super::state::{L1, L2, PendingGen, RankState, State, StoreLease};
 use crate::error::{Error, Result};
 use crate::manifest::Manifest;
 use crate::protocol::{Lease, MissReason, Slot};
@@ -482,11 +482,24 @@ fn attempt_store(
             }
         }
     }
+    // The pages this store reuses whose only copy is L1 are never room for
+    // its others: evicting one would retire its generations and then need
+    // a slot of its own (nothing gained, a generation lost for nothing).
+    let keep: std::collections::HashSet<ObjectKey> = groups
+        .iter()
+        .flatten()
+        .filter(|key| {
+            st.objects
+                .get(*key)
+                .is_some_and(|o| o.l1 == L1::Ready && o.l2 != L2::Durable && o.remote.is_none())
+        })
+        .copied()
+        .collect();
     if needed > st.alloc.available()
         && needed
             > st.alloc
                 .available()
-                .saturating_add(st.evictable_bytes(true))
+                .saturating_add(st.evictable_bytes_sparing(true, &keep))
     {
         return Attempt::Capacity;
     }
@@ -522,7 +535,7 @@ fn attempt_store(
                         Some(slot) => Some(slot),
                         None => {
                             let reserved = st.alloc.reserved_for(bytes).unwrap_or(u64::MAX);
-                            if st.evict_for(reserved, true) {
+                            if st.evict_for_sparing(reserved, true, &keep) {
                                 st.alloc.alloc(bytes)
                             } else {
                                 None
