@@ -27,6 +27,7 @@ every_policy!(
     a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it,
     a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses,
     a_restore_of_a_page_larger_than_the_pool_evicts_nothing,
+    a_store_waits_for_a_page_loading_from_l2_and_writes_it_when_the_load_proves_it_lost,
 );
 
 /// A 4-rank generation of one 1 MiB page per rank: the whole 4 MiB pool.
@@ -543,6 +544,74 @@ fn a_restore_of_a_page_larger_than_the_pool_evicts_nothing<T: Target>(eviction: 
             .unwrap();
     }
     restore_all(&svc, &small);
+    assert_idle(&svc);
+    svc.close().unwrap();
+}
+
+/// A store that needs a page while a restore loads it from L2 waits for the
+/// load (busy) instead of reusing it: the load may prove the file lost (a
+/// corrupt copy), and a store that had reused the page would publish a
+/// generation naming a page nothing holds, listed (and announced by the
+/// change feed) until a restore misses `lost_object`. Once the load failed,
+/// the retried store writes the page itself and its generation restores.
+fn a_store_waits_for_a_page_loading_from_l2_and_writes_it_when_the_load_proves_it_lost<
+    T: Target,
+>(
+    eviction: Eviction,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let l2 = dir.path().join("l2");
+    let faulty = FaultyFs::new();
+    let svc = T::open_with_fs(
+        with_eviction(config("loading-reuse", Some(&l2)), eviction),
+        Arc::new(faulty.clone()),
+        &mut |_| {},
+    )
+    .unwrap();
+    let ns = "recurrent-sha256-v1:loading-reuse";
+    let tokens = seq(59_000, 32);
+    let turn1 = two_group_mib_pages(ns, &tokens[..16]);
+    let turn2 = two_group_mib_pages(ns, &tokens);
+    store_all(&svc, &turn1);
+    settle(&svc);
+    svc.clear(false, false).unwrap();
+    // The restore's loads stop at their open, so its pages stay `Loading`;
+    // the first read of each file then finds a flipped byte.
+    let gate = faulty.hold(Op::OpenRead);
+    faulty.flip_byte_on_read(64 + 10, 2);
+    let read = svc.begin_retrieve(&turn1, 0).unwrap();
+    assert_eq!(read.status, LeaseStatus::Pending, "{read:?}");
+    assert!(
+        gate.wait_for_held(1, Duration::from_secs(10)),
+        "no load started"
+    );
+
+    assert!(svc.begin(&turn2).unwrap());
+    let busy = svc.prepare_store(&turn2, 0).unwrap();
+    assert_eq!(
+        busy.status,
+        LeaseStatus::Busy,
+        "a page loading from L2 was reused: {busy:?}"
+    );
+    gate.release();
+    let id = read.lease_id.as_deref().unwrap();
+    let missed = poll_done(&svc, id);
+    assert_eq!(missed.reason, Some(MissReason::LostObject), "{missed:?}");
+    assert!(!is_listed(&svc, &turn1), "the lost copy retired its turn");
+
+    // The retried store writes the pages the load proved lost.
+    let lease = prepare(&svc, &turn2, 0);
+    assert_eq!(lease.status, LeaseStatus::Ready, "{lease:?}");
+    assert!(
+        lease.slots.iter().flatten().all(Option::is_some),
+        "every page of the shorter turn is written again: {lease:?}"
+    );
+    fill(&svc, &turn2, 0, &lease);
+    svc.finish_store(lease.lease_id.as_deref().unwrap(), true, None)
+        .unwrap();
+    assert!(is_listed(&svc, &turn2));
+    restore_all(&svc, &turn2);
+    settle(&svc);
     assert_idle(&svc);
     svc.close().unwrap();
 }

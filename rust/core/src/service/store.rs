@@ -470,8 +470,9 @@ fn attempt_store(
             let obj = st.objects.get(key);
             // As the loop below decides it.
             busy |= match obj {
-                Some(o) if o.l1 == L1::Writing(lease) || o.reusable() => false,
+                Some(o) if o.l1 == L1::Writing(lease) => false,
                 Some(o) if matches!(o.l1, L1::Writing(_) | L1::Loading) => true,
+                Some(o) if o.reusable() => false,
                 _ => st.deleting.contains_key(key),
             };
             let placed =
@@ -516,12 +517,21 @@ fn attempt_store(
         for key in keys {
             match st.objects.get(key).map(|o| (o.l1, o.reusable())) {
                 Some((L1::Writing(owner), _)) if owner == lease => group.push(None),
+                // A page loading from L2 is durable there, but the load may
+                // prove the file lost (corrupt or gone): reused now, the
+                // store would publish a generation naming a page nothing
+                // holds. Wait for the load; the retry reuses the page once
+                // it is `Ready`, or writes it if the load lost it.
+                Some((L1::Loading, _)) => {
+                    outcome = Some(Attempt::Busy);
+                    break 'groups;
+                }
                 Some((_, true)) => {
                     st.pin(key);
                     reused.push(*key);
                     group.push(None);
                 }
-                Some((L1::Writing(_) | L1::Loading, false)) => {
+                Some((L1::Writing(_), false)) => {
                     outcome = Some(Attempt::Busy);
                     break 'groups;
                 }

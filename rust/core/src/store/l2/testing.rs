@@ -11,7 +11,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::fs::{DirEntryInfo, Fs, ReadFile, RealFs, WriteFile};
 
@@ -71,6 +71,8 @@ struct State {
     /// (file offset, reads left) of armed byte flips.
     flips: Vec<(u64, u32)>,
     counts: HashMap<Op, u64>,
+    /// Armed holds ([`FaultyFs::hold`]).
+    holds: HashMap<Op, Arc<Gate>>,
     bytes_written: u64,
     bytes_read: u64,
     log: Vec<OpRecord>,
@@ -105,6 +107,69 @@ impl State {
     }
 }
 
+/// Operations of one kind held until released ([`FaultyFs::hold`]): a test
+/// sees the service with an L2 operation in flight (a load `Loading`, a
+/// write `Writing`) for as long as it needs.
+#[derive(Default)]
+pub struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    open: bool,
+    waiting: u32,
+}
+
+impl Gate {
+    /// Waits until `n` operations are held (false after `timeout`).
+    pub fn wait_for_held(&self, n: u32, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut st = self.state.lock();
+        while st.waiting < n {
+            if self.changed.wait_until(&mut st, deadline).timed_out() {
+                return st.waiting >= n;
+            }
+        }
+        true
+    }
+
+    /// Lets every held operation (and every later one) through.
+    pub fn release(&self) {
+        self.state.lock().open = true;
+        self.changed.notify_all();
+    }
+
+    fn pass(&self) {
+        let mut st = self.state.lock();
+        st.waiting += 1;
+        self.changed.notify_all();
+        while !st.open {
+            self.changed.wait(&mut st);
+        }
+        st.waiting -= 1;
+    }
+}
+
+/// An armed hold ([`FaultyFs::hold`]); dropping it releases the gate, so a
+/// test that fails while operations are held does not hang the service's
+/// close.
+pub struct Hold(Arc<Gate>);
+
+impl std::ops::Deref for Hold {
+    type Target = Gate;
+    fn deref(&self) -> &Gate {
+        &self.0
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
 /// A [`RealFs`] with faults that can be armed at run time, operation counts
 /// and an operation log. Clones share the same state.
 #[derive(Clone, Default)]
@@ -135,6 +200,16 @@ impl FaultyFs {
             kind,
         };
         self.state.lock().faults.insert(op, fault);
+    }
+
+    /// Holds every later operation of kind `op` (of those that go through
+    /// the filesystem itself: opens, renames, removals, directory and
+    /// metadata operations) until the returned gate is released; replaces
+    /// any hold armed for `op`.
+    pub fn hold(&self, op: Op) -> Hold {
+        let gate = Arc::new(Gate::default());
+        self.state.lock().holds.insert(op, Arc::clone(&gate));
+        Hold(gate)
     }
 
     /// Disarms every fault and byte flip.
@@ -183,6 +258,10 @@ impl FaultyFs {
         to: Option<&Path>,
         f: impl FnOnce() -> io::Result<T>,
     ) -> io::Result<T> {
+        let hold = self.state.lock().holds.get(&op).cloned();
+        if let Some(gate) = hold {
+            gate.pass();
+        }
         let fault = self.state.lock().begin(op);
         let result = match fault {
             Some(e) => Err(e),
