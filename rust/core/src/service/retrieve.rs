@@ -496,8 +496,10 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             .get(&key)
             .map(|o| (o.l1, o.l2, o.page_bytes, o.remote.clone()));
         match state {
-            // An earlier page of this pass started its load already (the
-            // same object twice in the rank).
+            // Not expected: pass 1 handled pages that were loading, and a
+            // rank names an object at most once (keys include rank and
+            // group; a group's pages are distinct). Wait for the load as
+            // pass 1 would.
             Some((L1::Loading, _, _, _)) => {
                 if let Some(obj) = st.objects.get_mut(&key) {
                     if !obj.waiters.contains(&lease_no) {
