@@ -245,6 +245,19 @@ fn mib_pages(ns: &str, tokens: &[u32]) -> Manifest {
     build_manifest(ns, tokens, 1, &groups, 2, "prompt")
 }
 
+/// A service under `eviction` whose L2 at `l2` goes through a [`FaultyFs`]
+/// (returned, to arm faults and holds).
+fn open_faulty<T: Target>(tag: &str, l2: &std::path::Path, eviction: Eviction) -> (T, FaultyFs) {
+    let faulty = FaultyFs::new();
+    let svc = T::open_with_fs(
+        with_eviction(config(tag, Some(l2)), eviction),
+        Arc::new(faulty.clone()),
+        &mut |_| {},
+    )
+    .unwrap();
+    (svc, faulty)
+}
+
 /// The soak's "durable L2 page found absent" (issue 23): a restore whose
 /// first page is only on disk needs a slot; the pool is full, and the oldest
 /// evictable copy was the restored generation's own L1-only page, not yet
@@ -259,13 +272,7 @@ fn making_room_for_a_restore_never_retires_the_generation_it_restores<T: Target>
 ) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let faulty = FaultyFs::new();
-    let svc = T::open_with_fs(
-        with_eviction(config("room-own", Some(&l2)), eviction),
-        Arc::new(faulty.clone()),
-        &mut |_| {},
-    )
-    .unwrap();
+    let (svc, faulty) = open_faulty::<T>("room-own", &l2, eviction);
     let ns = "recurrent-sha256-v1:room-own";
     let tokens = seq(50_000, 32);
     let first = mib_pages(ns, &tokens[..16]);
@@ -561,13 +568,7 @@ fn a_store_waits_for_a_page_loading_from_l2_and_writes_it_when_the_load_proves_i
 ) {
     let dir = tempfile::tempdir().unwrap();
     let l2 = dir.path().join("l2");
-    let faulty = FaultyFs::new();
-    let svc = T::open_with_fs(
-        with_eviction(config("loading-reuse", Some(&l2)), eviction),
-        Arc::new(faulty.clone()),
-        &mut |_| {},
-    )
-    .unwrap();
+    let (svc, faulty) = open_faulty::<T>("loading-reuse", &l2, eviction);
     let ns = "recurrent-sha256-v1:loading-reuse";
     let tokens = seq(59_000, 32);
     let turn1 = two_group_mib_pages(ns, &tokens[..16]);
