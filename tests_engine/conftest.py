@@ -249,6 +249,21 @@ def kill_engine(proc: subprocess.Popen[Any]) -> None:
     proc.wait()
 
 
+def dump_and_kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """For an engine process found hung: asks it for every thread's stack
+    (``engine_turn.py`` dumps them on SIGUSR1), kills its process group and
+    returns what it wrote to stdout and stderr (it must have been started with
+    both pipes)."""
+    try:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+    except ProcessLookupError:
+        pass
+    kill_engine(proc)
+    stdout, stderr = proc.communicate()
+    return stdout or "", stderr or ""
+
+
 class Engines:
     """Starts engine processes for one test (each a fresh process, the
     leader of a process group of its own, so that the test can kill an
@@ -335,8 +350,12 @@ class Engines:
         try:
             stdout, stderr = proc.communicate(timeout=ENGINE_TIMEOUT)
         except subprocess.TimeoutExpired:
-            kill_engine(proc)
-            raise AssertionError(f"engine process ran past {ENGINE_TIMEOUT:.0f} s") from None
+            stdout, stderr = dump_and_kill(proc)
+            raise AssertionError(
+                f"engine process ran past {ENGINE_TIMEOUT:.0f} s; the end of its stdout "
+                f"(a RESULT line: it hung on its way out):\n{stdout[-2000:]}\n"
+                f"its stacks and the end of its stderr:\n{stderr[-12000:]}"
+            ) from None
         result = _parse(stdout)
         if proc.returncode != 0 or result is None:
             raise AssertionError(

@@ -27,8 +27,10 @@ instead of a connector, see :mod:`probe`).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -66,6 +68,9 @@ def _inject_fault(worker: Any, kind: str, count: int) -> None:
 
 
 def main() -> None:
+    # a test that finds this process hung sends SIGUSR1 before it kills it:
+    # every thread's Python stack goes to stderr, which the failure shows
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with open(sys.argv[1]) as f:
         spec: dict[str, Any] = json.load(f)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocess") else "0"
