@@ -255,7 +255,9 @@ def dump_and_kill(proc: subprocess.Popen[str]) -> tuple[str, str]:
     returns what it wrote to stdout and stderr (it must have been started with
     both pipes)."""
     try:
-        proc.send_signal(signal.SIGUSR1)
+        # the whole group: an engine-core process forked by vLLM inherits the
+        # handler (one it did not inherit just ends, as the kill would end it)
+        os.killpg(proc.pid, signal.SIGUSR1)
         time.sleep(3)
     except ProcessLookupError:
         pass
