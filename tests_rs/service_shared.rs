@@ -19,6 +19,7 @@ use crate::service_common::*;
 both_ways!(
     a_generation_stored_on_one_host_restores_byte_exact_on_another,
     find_located_says_where_the_pages_sit_and_what_loading_them_costs,
+    clearing_a_page_whose_other_copy_is_in_the_shared_tier_keeps_its_generation,
 );
 
 const NS_OTHER: &str = "recurrent-sha256-v1:service-suite-other";
@@ -415,6 +416,49 @@ fn find_located_says_where_the_pages_sit_and_what_loading_them_costs<T: Target>(
         b.find(&query(NS, 300, 80)).unwrap().as_ref(),
         Some(&m),
         "find answers the same candidate"
+    );
+    assert_idle(&a);
+    assert_idle(&b);
+}
+
+/// `clear` drops local copies only: a page whose other copy is in the
+/// shared tier still has one, so its generation stays listed (as eviction
+/// keeps it) and the next restore fetches the page again. Host B, without
+/// L2, imports A's checkpoint and restores it into L1; a clear of L1 (and
+/// one of every local tier) retires nothing there.
+fn clearing_a_page_whose_other_copy_is_in_the_shared_tier_keeps_its_generation<T: Target>() {
+    let (dir_a, shared) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = T::open(file_host(dir_a.path(), shared.path(), Duration::ZERO)).unwrap();
+    let b = T::open(ServiceConfig {
+        shared: Some(file_shared(shared.path(), Duration::ZERO)),
+        ..config("shared-clear-b", None)
+    })
+    .unwrap();
+    let m = turn(NS, 500, 48);
+    let pages = all_keys(&m).len() as u64;
+    store_all(&a, &m);
+    settle(&a);
+    wait_uploads(&a, 1);
+    assert_eq!(b.find(&query(NS, 500, 60)).unwrap().as_ref(), Some(&m));
+    restore_all(&b, &m);
+    assert_eq!(stat(&b, "shared_fetches"), pages);
+    for all_tiers in [false, true] {
+        let report = b.clear(true, all_tiers).unwrap();
+        assert_eq!(
+            (report.l1_objects, report.retired_generations),
+            (pages, 0),
+            "all_tiers={all_tiers}: every L1 copy dropped, nothing retired"
+        );
+        assert!(
+            is_listed(&b, &m),
+            "still listed after clear(all_tiers={all_tiers})"
+        );
+        restore_all(&b, &m);
+    }
+    assert_eq!(
+        stat(&b, "shared_fetches"),
+        3 * pages,
+        "each restore after a clear fetched every page again"
     );
     assert_idle(&a);
     assert_idle(&b);

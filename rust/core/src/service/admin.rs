@@ -145,12 +145,15 @@ pub(super) fn clear(inner: &Arc<Inner>, force: bool, all_tiers: bool) -> Result<
             continue;
         };
         let in_l1 = obj.slot.is_some();
-        let l1_only = obj.l2 != L2::Durable;
+        let durable = obj.l2 == L2::Durable;
+        // A shared-tier copy is never dropped here (other hosts use it), so
+        // a page that has one keeps its generations, as eviction does.
+        let in_shared = obj.remote.is_some();
         if !obj.idle() || !matches!(obj.l1, L1::Ready | L1::Absent) {
             report.kept_objects += 1;
             continue;
         }
-        let drops_last_copy = (in_l1 && l1_only) || (all_tiers && obj.l2 == L2::Durable);
+        let drops_last_copy = !in_shared && ((in_l1 && !durable) || (all_tiers && durable));
         if !in_l1 && !all_tiers {
             continue;
         }
