@@ -117,6 +117,17 @@ def test_multi_turn_workload_in_fresh_processes(
         conv = conv + outs[0] + tokens(100 + turn, 30, family)
         if turn == 1:
             stored = sidecar.prefixes()
+            # every request of the exiting engine published its response checkpoint
+            unpublished = [
+                i
+                for i, (p, t) in enumerate(zip(batch, run.turns, strict=True))
+                if tuple(p + t.output[: OUT - 1]) not in stored
+            ]
+            assert not unpublished, (
+                f"turn 1: no response checkpoint of requests {unpublished} after the "
+                f"sidecar's restart; token counts listed before it: {sorted(listed)}; "
+                f"the connector's status: {run.connector}"
+            )
             points = sorted(
                 len(p) for p in stored if tuple(many[: len(p)]) == p and len(p) < len(many)
             )

@@ -7,10 +7,11 @@
 //! reply is released unused (a drained timeout, recoverable); ordinary errors
 //! fail the job and leave the engine usable.
 
+use std::io::Write;
 use std::time::Duration;
 
-use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::transfer::{Direction, Fault, LeaseCall};
+use lmcache_rc_core::transfer::{Direction, Fault, JobHandle, LeaseCall};
+use lmcache_rc_core::{ErrorKind, Manifest};
 
 use crate::service_common::{HANG_GUARD, assert_idle, is_listed, stat, store_all};
 use crate::transfer_common::*;
@@ -63,6 +64,60 @@ fn close_ends_busy_retries() {
     worker.engine.close(Some(HANG_GUARD)).unwrap();
     done(&h).expect("miss", "busy");
     assert!(api.store_finishes().is_empty());
+}
+
+/// A transfer thread asleep while `close` began wakes up to end when the
+/// last queued job is taken by another one. Two copy slots (four threads):
+/// two stores lease slowly, a third waits in the queue and two threads
+/// sleep; `close` starts; the first lease to end wakes one sleeper, which
+/// takes the queued store, and nothing else ever woke the other: close
+/// drained every job, then waited for ever to join it (an in-process vLLM
+/// engine hung on its way out this way).
+#[test]
+fn close_joins_a_thread_that_slept_while_the_last_queued_job_was_taken() {
+    let (svc, api) = scripted_service("flt-close-sleeper");
+    let worker = Worker::scripted(&api, SLOW);
+    let ms: Vec<Manifest> = (0..3).map(|i| tgen(6_000 + 100 * i, 40, 1)).collect();
+    for m in &ms {
+        begin(&svc, m);
+    }
+    api.then("prepare_store", Step::Slow(Duration::from_millis(300)), 1);
+    api.then("prepare_store", Step::Slow(Duration::from_millis(1_500)), 1);
+    let handles: Vec<JobHandle> = ms
+        .iter()
+        .zip([1, 1 + PAGES, 1 + 2 * PAGES])
+        .map(|(m, first)| {
+            let b = blocks(m, first);
+            fill_rows(&worker.pool, m, 0, &b);
+            worker.submit(job(m, 0, Direction::Store, &b))
+        })
+        .collect();
+    eventually("two stores lease", || api.count("prepare_store") >= 2);
+    // Both leases are slow: `close` begins while the third store is queued.
+    std::thread::sleep(Duration::from_millis(100));
+    let engine = &worker.engine;
+    let closed = std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        s.spawn(move || {
+            let _ = tx.send(engine.close(Some(HANG_GUARD)));
+        });
+        let got = rx.recv_timeout(HANG_GUARD + Duration::from_secs(10));
+        if got.is_err() {
+            // The scope would join the hung close for ever: fail the binary.
+            let _ = writeln!(
+                std::io::stderr(),
+                "close did not return: a transfer thread was never woken to end"
+            );
+            std::process::exit(101);
+        }
+        got.unwrap()
+    });
+    closed.unwrap();
+    for h in &handles {
+        assert_eq!(done(h).kind, "copied");
+    }
+    assert_eq!(api.store_finishes(), vec![true; 3]);
+    assert!(ms.iter().all(|m| is_listed(&svc, m)));
 }
 
 #[test]

@@ -611,6 +611,14 @@ impl TransferEngine {
                 timeout.unwrap_or_default().as_secs_f64()
             )));
         }
+        {
+            // Every thread may end now (no job is admitted, none can be). One
+            // that went to sleep after the wake-up above, while jobs were still
+            // queued, was woken only if it was the one to take the next job:
+            // wake them all again, under the lock, so none sleeps through it.
+            let _q = self.inner.queue.lock();
+            self.inner.work.notify_all();
+        }
         let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             if t.join().is_err() {
