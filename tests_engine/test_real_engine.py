@@ -126,7 +126,8 @@ def test_multi_turn_workload_in_fresh_processes(
             assert not unpublished, (
                 f"turn 1: no response checkpoint of requests {unpublished} after the "
                 f"sidecar's restart; token counts listed before it: {sorted(listed)}; "
-                f"the connector's status: {run.connector}"
+                f"the connector's status: {run.connector}; the end of the engine's "
+                f"stderr:\n{run.stderr[-6000:]}"
             )
             points = sorted(
                 len(p) for p in stored if tuple(many[: len(p)]) == p and len(p) < len(many)
