@@ -508,10 +508,10 @@ fn a_store_that_cannot_fit_never_retires_the_generation_whose_pages_it_reuses<T:
 /// pages were stored under a larger `l1_bytes` (here: before a restart with
 /// a smaller pool; likewise one imported from a host with a larger pool).
 /// No eviction can ever make room for it, so a restore of it must evict
-/// nothing. `reserved_for` answers None for such a page and the restore path
-/// asks for `u64::MAX` bytes instead: every idle L1 copy was evicted (an
-/// L1-only one retiring its generation), at every poll, for a restore that
-/// then waited out its `retrieve_timeout`.
+/// nothing and miss `capacity` at once (it used to ask for `u64::MAX` bytes:
+/// every idle L1 copy was evicted, an L1-only one retiring its generation,
+/// at every poll, for a restore that then waited out its `retrieve_timeout`).
+/// The generation stays listed: nothing of it is lost.
 fn a_restore_of_a_page_larger_than_the_pool_evicts_nothing<T: Target>(eviction: Eviction) {
     let dir = tempfile::tempdir().unwrap();
     let groups = vec![GroupSpec::new(
@@ -543,13 +543,14 @@ fn a_restore_of_a_page_larger_than_the_pool_evicts_nothing<T: Target>(eviction: 
     assert_eq!(stat(&svc, "l1_objects"), 1);
 
     let begun = svc.begin_retrieve(&big, 0).unwrap();
-    assert_ne!(begun.status, LeaseStatus::Ready, "{begun:?}");
+    assert_eq!(
+        (begun.status, begun.reason),
+        (LeaseStatus::Miss, Some(MissReason::Capacity)),
+        "a miss at once, not after the retrieve timeout: {begun:?}"
+    );
     assert_eq!(stat(&svc, "l1_evictions"), 0, "nothing can make room");
     assert_eq!(stat(&svc, "l1_objects"), 1);
-    if begun.status == LeaseStatus::Pending {
-        svc.cancel_retrieve(begun.lease_id.as_deref().unwrap(), None)
-            .unwrap();
-    }
+    assert!(is_listed(&svc, &big), "not lost: a larger pool serves it");
     restore_all(&svc, &small);
     assert_idle(&svc);
     svc.close().unwrap();

@@ -48,7 +48,8 @@ named_enum! {
         LeaseBudget = "lease_budget",
         /// The staging this call belongs to was aborted (and maybe begun again).
         Conflict = "conflict",
-        /// L1 space did not free up within the admission timeout.
+        /// L1 space did not free up within the admission timeout, or a
+        /// page to restore is larger than the whole pool.
         Capacity = "capacity",
         /// The generation was aborted while this rank copied.
         AbortedDuringStore = "aborted_during_store",

@@ -481,7 +481,7 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             .filter_map(|key| st.objects.get(key))
             .filter(|o| o.l1 == L1::Absent && (o.l2 == L2::Durable || o.remote.is_some()))
             // A page larger than the pool can never fit: no room is made
-            // for it (it waits out the retrieve timeout).
+            // for it (pass 2 fails the lease).
             .filter_map(|o| st.alloc.reserved_for(o.page_bytes))
             .fold(0u64, u64::saturating_add);
         if need > 0 {
@@ -510,14 +510,26 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             // Not a load: the next poll looks again (see pass 1).
             Some((L1::Writing(_), _, _, _)) => {}
             Some((L1::Absent, l2, bytes, remote)) if l2 == L2::Durable || remote.is_some() => {
-                let mut slot = st.alloc.alloc(bytes);
-                if slot.is_none() {
-                    // None: larger than the whole pool, no eviction helps.
-                    if let Some(reserved) = st.alloc.reserved_for(bytes) {
-                        if st.evict_for(reserved, true) {
-                            slot = st.alloc.alloc(bytes);
-                        }
+                let Some(reserved) = st.alloc.reserved_for(bytes) else {
+                    // Larger than the whole pool (listed before a restart
+                    // with a smaller pool, or imported from a larger host):
+                    // no eviction can ever make room, so the lease misses
+                    // now instead of waiting out the retrieve timeout. The
+                    // generation stays listed: a larger pool serves it.
+                    log::warn!(
+                        "a restore of {generation} misses: its page {key} has {bytes} bytes, \
+                         more than the whole L1 pool ({} bytes); a sidecar with l1_bytes of at \
+                         least that serves it",
+                        st.alloc.capacity()
+                    );
+                    if let Some(lease) = st.retrieve_leases.get_mut(&lease_no) {
+                        lease.failed = Some(MissReason::Capacity);
                     }
+                    break;
+                };
+                let mut slot = st.alloc.alloc(bytes);
+                if slot.is_none() && st.evict_for(reserved, true) {
+                    slot = st.alloc.alloc(bytes);
                 }
                 let Some(slot) = slot else {
                     // Wait for space; the poll deadline bounds the wait.
