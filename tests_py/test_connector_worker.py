@@ -345,6 +345,27 @@ def test_shutdown_drains_the_worker() -> None:
     assert worker.close_timeout == 180.0  # bounded by lmcache_rc.close_timeout
 
 
+def test_shutdown_drains_the_worker_when_the_exit_hand_over_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An exiting in-process engine hands its begun stores to the ranks first
+    (``lmcache_rc.vllm.local``); if that fails, the copies already submitted
+    must still drain before vLLM frees the pages: logged, never skipped."""
+    connector = worker_connector()
+    connector.bind_boundary_checkpoint_state(State())
+    worker = fake(connector)
+
+    class Failing:
+        def flush(self, timeout: float) -> None:
+            raise RuntimeError("hand-over broke")
+
+    connector._local = Failing()  # type: ignore[assignment]
+    connector.shutdown()
+    assert worker.closed
+    assert "handing the exiting engine's stores to its ranks failed" in caplog.text
+    assert "hand-over broke" in caplog.text
+
+
 def test_close_timeout_zero_waits_for_copies_forever() -> None:
     connector = worker_connector(close_timeout=0)
     connector.bind_boundary_checkpoint_state(State())

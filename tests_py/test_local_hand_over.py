@@ -121,6 +121,21 @@ def test_flush_waits_for_begin_replies_then_stops() -> None:
     assert "late" not in worker.taken, "after shutdown nothing more is handed over"
 
 
+def test_a_failing_flush_still_stops_the_hand_overs() -> None:
+    local = engine()
+
+    class Broken(FakeScheduler):
+        def hand_over(self, submit: Any, saved_step: int) -> bool:
+            raise RuntimeError("boom")
+
+    local.set_scheduler(Broken([FakeTask("t", 0)]), 0.0)
+    local.add_worker(0, FakeWorker())
+    with pytest.raises(RuntimeError, match="boom"):
+        local.flush(timeout=30)
+    with local.lock:
+        assert local.hand_over() is False, "after shutdown nothing more is handed over"
+
+
 def test_idle_thread_hands_over_without_another_call() -> None:
     local = engine()
     sched = FakeScheduler()

@@ -688,7 +688,15 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             # the engine's forwards have ended: its begun stores go to the ranks
             # before the copies drain (vLLM shuts the workers down first)
             o = self._options
-            local.flush(min(o.begin_timeout, o.close_timeout or o.begin_timeout))
+            try:
+                local.flush(min(o.begin_timeout, o.close_timeout or o.begin_timeout))
+            except Exception:
+                # the copies already submitted must still drain below (vLLM
+                # frees the pages next): lose the stores not handed over, never that
+                logger.exception(
+                    "lmcache-rc: handing the exiting engine's stores to its ranks failed; "
+                    "those not handed over are not stored"
+                )
         if local is not None and self._is_scheduler:
             with local.call():
                 self._scheduler.close()

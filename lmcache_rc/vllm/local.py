@@ -161,10 +161,12 @@ class LocalEngine:
         seconds for BEGIN replies (every forward has ended by then)."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self.lock:
-            while self.hand_over() and time.monotonic() < deadline:
-                self._wake.wait(0.005)
-            self._stopped = True
-            self._wake.notify_all()
+            try:
+                while self.hand_over() and time.monotonic() < deadline:
+                    self._wake.wait(0.005)
+            finally:  # also when a hand-over raised: no more of them
+                self._stopped = True
+                self._wake.notify_all()
 
     def stop(self) -> None:
         """The scheduler side closed: no more hand-overs, the thread ends."""
