@@ -349,6 +349,7 @@ class CheckpointWorker:
             raise ValueError("layout must be a mapping")
         self.rank = rank
         self.world_size = world_size
+        self._max_copies = int(max_copies_in_flight)
         self.layout: dict[str, Any] = copy.deepcopy(dict(layout))
         self._pool = page_pool
         socket = os.fspath(socket_path)
@@ -473,6 +474,11 @@ class CheckpointWorker:
         """Tasks submitted whose result was not collected yet (rejected included)."""
         with self._lock:
             return len(self._running) + len(self._rejected)
+
+    def room(self) -> int:
+        """Copies the engine admits now: ``max_copies_in_flight`` less those
+        queued or running (a finished one counts no more, collected or not)."""
+        return max(0, self._max_copies - self._engine.in_flight)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Waits until the engine has no job in flight; False on timeout."""

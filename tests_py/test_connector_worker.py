@@ -99,6 +99,9 @@ class FakeWorker:
     def in_flight(self) -> int:
         return len(self.running)
 
+    def room(self) -> int:
+        return max(0, int(self.args["max_copies_in_flight"]) - len(self.running))
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         return not self.running
 

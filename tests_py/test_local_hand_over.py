@@ -38,16 +38,23 @@ class FakeScheduler:
     def has_unsent_work(self) -> bool:
         return self.begins > 0 or any(not t.sent for t in self.tasks)
 
-    def hand_over(self, submit: Callable[[CheckpointEngineTask], None], saved_step: int) -> bool:
+    def hand_over(
+        self, submit: Callable[[CheckpointEngineTask], None], saved_step: int, room: int
+    ) -> bool:
         self.calls += 1
         if self.begins:
             self.begins -= 1  # one BEGIN answered per look
+        waiting = False
         for t in self.tasks:
             if not t.sent and t.ready_step <= saved_step:
+                if room <= 0:
+                    waiting = True
+                    break
                 t.sent = True
+                room -= 1
                 self.handed.append(t.task_id)
                 submit(SimpleNamespace(task_id=t.task_id))  # type: ignore[arg-type]
-        return self.begins > 0
+        return self.begins > 0 or waiting
 
 
 @dataclass
@@ -56,10 +63,23 @@ class FakeWorker:
     bound: bool = True
     taken: list[str] = field(default_factory=list)
     event: threading.Event = field(default_factory=threading.Event)
+    capacity: int = 16
+    """Copies admitted at once."""
+    copying: int = 0
+    most: int = 0
+    """The most copies it held at once."""
 
     def take_now(self, task: Any) -> None:
+        self.copying += 1
+        assert self.copying <= self.capacity, "a copy beyond the queue's bound is refused"
+        self.most = max(self.most, self.copying)
         self.taken.append(task.task_id)
         self.event.set()
+
+    def room(self) -> int:
+        if self.copying:
+            self.copying -= 1  # one copy ends between two looks
+        return self.capacity - self.copying
 
 
 def engine(world_size: int = 1) -> LocalEngine:
@@ -121,11 +141,25 @@ def test_flush_waits_for_begin_replies_then_stops() -> None:
     assert "late" not in worker.taken, "after shutdown nothing more is handed over"
 
 
+def test_flush_never_gives_a_rank_more_copies_than_it_admits() -> None:
+    """An exiting engine with more final stores than a rank's copy queue
+    admits hands them over as copies end: a copy beyond the bound would be
+    refused and its store fail (lost at exit)."""
+    local = engine()
+    sched = FakeScheduler([FakeTask(f"t{i}", 0) for i in range(7)])
+    local.set_scheduler(sched, 0.0)
+    worker = FakeWorker(capacity=2)
+    local.add_worker(0, worker)
+    local.flush(timeout=30)
+    assert worker.taken == [f"t{i}" for i in range(7)], "every store handed over"
+    assert worker.most == 2
+
+
 def test_a_failing_flush_still_stops_the_hand_overs() -> None:
     local = engine()
 
     class Broken(FakeScheduler):
-        def hand_over(self, submit: Any, saved_step: int) -> bool:
+        def hand_over(self, submit: Any, saved_step: int, room: int) -> bool:
             raise RuntimeError("boom")
 
     local.set_scheduler(Broken([FakeTask("t", 0)]), 0.0)
@@ -153,8 +187,8 @@ def test_idle_thread_survives_a_failing_hand_over(caplog: pytest.LogCaptureFixtu
     local = engine()
 
     class Broken(FakeScheduler):
-        def hand_over(self, submit: Any, saved_step: int) -> bool:
-            super().hand_over(submit, saved_step)
+        def hand_over(self, submit: Any, saved_step: int, room: int) -> bool:
+            super().hand_over(submit, saved_step, room)
             raise RuntimeError("boom")
 
     sched = Broken()

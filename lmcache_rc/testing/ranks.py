@@ -202,6 +202,10 @@ class FaultyCopyWorker:
         """In-flight copies, wedged tasks included."""
         return int(self.inner.in_flight()) + self.held()
 
+    def room(self) -> int:
+        """Copies admitted now; wedged tasks hold their places."""
+        return max(0, int(self.inner.room()) - self.held())
+
     def close(self, timeout: float | None = None) -> None:
         """Release wedged tasks, then drain and close the inner worker."""
         self.release_held()

@@ -18,9 +18,11 @@ process), keyed by the ``engine_id`` of vLLM's ``KVTransferConfig``; the lock
 that makes every connector entry point of that engine mutually exclusive; and
 the *hand-over*: store tasks whose bytes are final go straight to the local
 ranks, which copy them and finish their leases, so the sidecar publishes them
-with no further engine step. It happens (a) on a background thread once the
-engine has been idle for ``idle_flush`` seconds and (b) when the first local
-rank shuts down, before its copies drain.
+with no further engine step — never more at once than every rank's copy
+queue admits (a refused copy would fail its store), the rest as copies end.
+It happens (a) on a background thread once the engine has been idle for
+``idle_flush`` seconds and (b) when the first local rank shuts down, before
+its copies drain.
 
 A task is final when the forward that writes its bytes has finished on every
 rank: response stores at once (the request ended after its last forward),
@@ -54,9 +56,12 @@ logger = logging.getLogger(__name__)
 class LocalScheduler(Protocol):
     """What the hand-over needs from a scheduler side."""
 
-    def hand_over(self, submit: Callable[[CheckpointEngineTask], None], saved_step: int) -> bool:
-        """Submits final, unsent store tasks through ``submit``; True while
-        BEGINs are still unanswered or unsent tasks remain."""
+    def hand_over(
+        self, submit: Callable[[CheckpointEngineTask], None], saved_step: int, room: int
+    ) -> bool:
+        """Submits at most ``room`` final, unsent store tasks through
+        ``submit``; True while BEGINs are still unanswered or final tasks
+        wait for room."""
         ...
 
     def has_unsent_work(self) -> bool:
@@ -79,6 +84,10 @@ class LocalWorker(Protocol):
 
     def take_now(self, task: CheckpointEngineTask) -> None:
         """Submits one task now (its bytes are final)."""
+        ...
+
+    def room(self) -> int:
+        """Copies the rank admits now (more would be refused and fail)."""
         ...
 
 
@@ -154,7 +163,10 @@ class LocalEngine:
             for worker in workers:
                 worker.take_now(task)
 
-        return scheduler.hand_over(submit, self.saved_step)
+        # never more than every rank's copy queue admits now (a refused copy
+        # fails its store); the rest go once copies end
+        room = min(w.room() for w in workers)
+        return scheduler.hand_over(submit, self.saved_step, room)
 
     def flush(self, timeout: float) -> None:
         """At a rank's shutdown: hand everything over, waiting up to ``timeout``

@@ -626,27 +626,36 @@ class UpstreamScheduler(TaskBook[_Task]):
             not t.sent and t.direction == "STORE" for t in self._tasks.values()
         )
 
-    def hand_over(self, submit: Callable[[CheckpointEngineTask], None], saved_step: int) -> bool:
+    def hand_over(
+        self, submit: Callable[[CheckpointEngineTask], None], saved_step: int, room: int
+    ) -> bool:
         """Idle or exiting engine (:mod:`lmcache_rc.vllm.local`): answered BEGINs
-        become tasks, and every unsent store task whose bytes are final (its
-        step's forward ended on every rank: ``ready_step <= saved_step``) goes
+        become tasks, and unsent store tasks whose bytes are final (their
+        step's forward ended on every rank: ``ready_step <= saved_step``) go
         to the local ranks through ``submit`` now, instead of in the next
-        step's metadata. Never touches vLLM's block pool. Returns True while
-        BEGINs are still unanswered."""
+        step's metadata — at most ``room`` of them (what every rank's copy
+        queue admits now: a refused copy would fail its store). Never touches
+        vLLM's block pool. Returns True while BEGINs are still unanswered or
+        final tasks wait for room."""
         if self._closed:
             return False
         self._off_thread = True
+        waiting = False
         try:
             self._pump_begins()
             for task in list(self._tasks.values()):
                 if task.sent or task.direction != "STORE" or task.ready_step > saved_step:
                     continue
+                if room <= 0:
+                    waiting = True
+                    break
                 task.sent = True
                 submit(task.engine_task())
+                room -= 1
                 self._counters["tasks_handed_over"] += 1
         finally:
             self._off_thread = False
-        return bool(self._begins)
+        return bool(self._begins) or waiting
 
     # ------------------------------------------------------------------ per step
 

@@ -78,6 +78,10 @@ class CopyWorker(Protocol):
         """Copies queued or running."""
         ...
 
+    def room(self) -> int:
+        """Copies admitted now (more are refused and fail)."""
+        ...
+
     def close(self, timeout: float | None = None) -> None:
         """Drain, then stop (``UnsafeCopy`` when copies cannot be proven stopped)."""
         ...
@@ -217,6 +221,11 @@ class WorkerSide(WorkerHooks):
     def in_flight(self) -> int:
         """Copies queued or running on this rank."""
         return 0 if self._worker is None else self._worker.in_flight()
+
+    def room(self) -> int:
+        """Copies this rank admits now (0 while unbound): what a hand-over
+        may give it (:mod:`lmcache_rc.vllm.local`)."""
+        return 0 if self._worker is None else self._worker.room()
 
     @property
     def saved_step(self) -> int:
