@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use lmcache_rc_core::Manifest;
 use lmcache_rc_core::cost::Eviction;
-use lmcache_rc_core::protocol::MissReason;
-use lmcache_rc_core::service::{LeaseStatus, ServiceConfig};
+use lmcache_rc_core::protocol::{Checkpoints, MissReason};
+use lmcache_rc_core::service::{Lease, LeaseStatus, ServiceConfig};
 use lmcache_rc_core::store::l2::testing::{FaultyFs, Op};
 
 use crate::service_common::*;
@@ -39,6 +39,21 @@ fn pool_filler(base: u32) -> Manifest {
         Role::Endpoint("state".into()),
     )];
     build_manifest(NS, &seq(base, 16), 4, &groups, 2, "prompt")
+}
+
+/// A generation of namespace `ns` whose pages are only on disk (stored,
+/// written to L2, dropped from L1), behind a pool full of `pool_filler`
+/// pages leased by all four ranks: a restore of it must wait for room.
+/// Returns the generation and the filler's leases.
+fn on_disk_behind_a_full_pool(svc: &impl AsTarget, ns: &str, base: u32) -> (Manifest, Vec<Lease>) {
+    let m = mib_pages(ns, &seq(base, 16));
+    store_all(svc, &m);
+    settle(svc);
+    svc.target().clear(false, false).unwrap();
+    let filler = pool_filler(base + 1_000);
+    store_all(svc, &filler);
+    let leases = (0..4).map(|rank| open_read(svc, &filler, rank)).collect();
+    (m, leases)
 }
 
 fn small(base: u32) -> Manifest {
@@ -334,13 +349,7 @@ fn a_restore_waiting_for_room_whose_generation_is_retired_misses_not_listed<T: T
     let l2 = dir.path().join("l2");
     let svc = T::open(with_eviction(config("room-retired", Some(&l2)), eviction)).unwrap();
     let ns = "recurrent-sha256-v1:room-retired";
-    let m = mib_pages(ns, &seq(52_000, 16));
-    store_all(&svc, &m);
-    settle(&svc);
-    svc.clear(false, false).unwrap();
-    let filler = pool_filler(53_000);
-    store_all(&svc, &filler);
-    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+    let (m, leases) = on_disk_behind_a_full_pool(&svc, ns, 52_000);
     assert_eq!(
         stat(&svc, "l1_bytes"),
         4 << 20,
@@ -386,13 +395,7 @@ fn a_restore_that_waited_for_a_page_being_written_leaves_no_hold_on_it<T: Target
     let l2 = dir.path().join("l2");
     let svc = T::open(with_eviction(config("wait-written", Some(&l2)), eviction)).unwrap();
     let ns = "recurrent-sha256-v1:wait-written";
-    let m = mib_pages(ns, &seq(54_000, 16));
-    store_all(&svc, &m);
-    settle(&svc);
-    svc.clear(false, false).unwrap();
-    let filler = pool_filler(55_000);
-    store_all(&svc, &filler);
-    let leases: Vec<_> = (0..4).map(|rank| open_read(&svc, &filler, rank)).collect();
+    let (m, leases) = on_disk_behind_a_full_pool(&svc, ns, 54_000);
     let begun = svc.begin_retrieve(&m, 0).unwrap();
     assert_eq!(begun.status, LeaseStatus::Pending, "{begun:?}");
     let id = begun.lease_id.clone().unwrap();
