@@ -114,6 +114,8 @@ class BenchResult:
     """The already running sidecar it used, or None (an embedded one)."""
     namespace: str = ""
     """The run's own namespace (retired after every round)."""
+    copy_kernel: str = ""
+    """How the cpu backend moved the bytes (``TransferEngine.copy_kernel``)."""
 
     def baselines(self) -> dict[int, float]:
         """The raw copy each copy-thread count is measured against: one
@@ -165,7 +167,7 @@ class BenchResult:
             f"transfer: {self.jobs * PAGES_PER_JOB} pages x {format_bytes(self.page_kib << 10)}"
             f" = {format_bytes(self.total_bytes)} in {self.jobs} jobs, median of "
             f"{self.rounds} rounds,",
-            f"  {where} over RPC, cpu backend, restores checked byte for byte",
+            f"  {where} over RPC, cpu backend ({self.copy_kernel}), restores checked byte for byte",
             f"  memcpy (numpy copyto, 1 thread) : {self.memcpy_mb_s * mib_s:8.1f} MiB/s"
             "  (baseline of 1 copy thread)",
             f"  memcpy (2 threads, a half each)  : {self.memcpy2_mb_s * mib_s:8.1f} MiB/s"
@@ -273,6 +275,7 @@ def run_transfer_bench(
     memcpy: list[float] = []
     memcpy2: list[float] = []
     times: dict[int, tuple[list[float], list[float]]] = {1: ([], []), 2: ([], [])}
+    kernel = ""
     with tempfile.TemporaryDirectory() as tmp:
         server: rc.Server | None = None
         if socket is None:
@@ -288,7 +291,7 @@ def run_transfer_bench(
             with _connect(socket_path, attached=server is None) as client:
                 if server is None:
                     _check_room(client, total)
-                _bench_rounds(
+                kernel = _bench_rounds(
                     client,
                     socket_path,
                     namespace,
@@ -316,6 +319,7 @@ def run_transfer_bench(
         restore_mb_s={w: mb / statistics.median(t[1]) for w, t in times.items()},
         socket=socket,
         namespace=namespace,
+        copy_kernel=kernel,
     )
 
 
@@ -330,9 +334,10 @@ def _bench_rounds(
     rounds: int,
     memcpy: tuple[list[float], list[float]],
     times: dict[int, tuple[list[float], list[float]]],
-) -> None:
+) -> str:
     """The warm-up round and the measured ones; every round's generations
-    (all in ``namespace``) are retired when it ends, also on failure."""
+    (all in ``namespace``) are retired when it ends, also on failure.
+    Returns the engines' copy kernel."""
     page_bytes = int(layout["page_bytes"])
     engines = {
         w: tuple(
@@ -343,6 +348,7 @@ def _bench_rounds(
         )
         for w in (1, 2)
     }
+    kernel = engines[1][0].copy_kernel
     seq = 0
     staged: list[rc.Manifest] = []
     try:
@@ -380,6 +386,7 @@ def _bench_rounds(
         for m in staged:  # a failed round: nothing of it stays pending
             client.abort(m.generation)
         client.invalidate_namespace(namespace)
+    return kernel
 
 
 def main(

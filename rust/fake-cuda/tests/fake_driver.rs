@@ -20,8 +20,8 @@ use std::process::{Command, ExitCode};
 
 use cudarc::driver::sys::{self, CUresult};
 use lmcache_rc_core::ErrorKind;
-use lmcache_rc_core::transfer::PoolShape;
 use lmcache_rc_core::transfer::cuda::{CudaBackend, driver_available};
+use lmcache_rc_core::transfer::{CopyBackend, PoolShape};
 
 const CHILD: &str = "LMCACHE_RC_FAKE_CUDA_LIB";
 const LIB: &str = "liblmcache_rc_fake_cuda.so";
@@ -484,6 +484,11 @@ fn construction(fake: &Controls) {
         // outlives the backend (dropped at the end of this block).
         let backend = unsafe { CudaBackend::new(0, dptr, SHAPE) }.expect("a valid pool");
         assert_eq!(fake.stat("ctx_refs"), 1);
+        assert_eq!(
+            backend.copy_kernel(),
+            "cuMemcpyAsync (DMA)",
+            "status names the DMA"
+        );
         drop(backend);
     }
     assert_eq!(fake.stat("ctx_refs"), 0, "the backend released its context");

@@ -624,6 +624,13 @@ impl PyTransferEngine {
         Ok(self.engine.get()?.stats().mappings)
     }
 
+    /// How the backend moves bytes: the cpu backend's streaming-store
+    /// kernel (chosen by CPU vendor), or the cuda backend's DMA.
+    #[getter]
+    fn copy_kernel(&self) -> PyResult<&'static str> {
+        Ok(self.engine.get()?.copy_kernel())
+    }
+
     /// The capabilities of the mapped pool (None before the first mapping).
     fn capabilities(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let engine = self.engine.get()?;

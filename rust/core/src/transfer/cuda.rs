@@ -423,6 +423,10 @@ impl CopyBackend for CudaBackend {
         "cuda"
     }
 
+    fn copy_kernel(&self) -> &'static str {
+        "cuMemcpyAsync (DMA)"
+    }
+
     fn layout(&self) -> &PageLayout {
         &self.layout
     }

@@ -201,6 +201,11 @@ impl JobHandle {
         self.0.outcome.lock().as_ref().map(f)
     }
 
+    /// When the job was submitted (its phases run from here, in order).
+    pub fn submitted(&self) -> Instant {
+        self.0.submitted
+    }
+
     /// Where the job's time went so far (complete once it ended).
     pub fn phases(&self) -> JobPhases {
         *self.0.phases.lock()
@@ -398,6 +403,8 @@ pub struct EngineStats {
     /// Which pages back the mapped shared-memory pool
     /// ([`ShmPool::page_size_status`]); None before the first mapping.
     pub shm_pages: Option<String>,
+    /// How the backend moves bytes ([`CopyBackend::copy_kernel`]).
+    pub copy_kernel: &'static str,
 }
 
 /// Background copies between a worker's page pool and the sidecar's shared
@@ -554,6 +561,11 @@ impl TransferEngine {
         self.inner.backend.name()
     }
 
+    /// How the backend moves bytes ([`CopyBackend::copy_kernel`]).
+    pub fn copy_kernel(&self) -> &'static str {
+        self.inner.backend.copy_kernel()
+    }
+
     /// Counters.
     pub fn stats(&self) -> EngineStats {
         EngineStats {
@@ -567,6 +579,7 @@ impl TransferEngine {
                 .lock()
                 .clone()
                 .map(|m| m.pool.page_size_status()),
+            copy_kernel: self.copy_kernel(),
         }
     }
 

@@ -59,7 +59,8 @@ mod sidecar;
 
 pub use crate::protocol::PoolSource;
 pub use backend::{
-    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, copy_runs,
+    CopyBackend, CopyFailure, CopyRun, CpuBackend, Fault, FaultQueue, Registration, StreamKernel,
+    copy_runs,
 };
 pub use engine::{EngineConfig, EngineStats, Job, JobHandle, JobPhases, Outcome, TransferEngine};
 pub use layout::{GroupLayout, PageLayout, PoolShape, RegionTemplate};
