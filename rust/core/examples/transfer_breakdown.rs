@@ -12,6 +12,9 @@
 //! cargo run --release -p lmcache-rc-core --example transfer_breakdown [-- MAX_JOB_MIB]
 //! ```
 //!
+//! With `BREAKDOWN_SERIAL=1` the bench shape submits each job only once the
+//! one before it ended, so every copy runs with nothing beside it.
+//!
 //! MAX_JOB_MIB (default 2048) skips the configurations whose job is larger
 //! (1024 × 2 MiB needs about 4 GiB: the page pool and the sidecar's pool).
 //! Figures are medians over repeated jobs (more for small jobs); `per page`
@@ -289,6 +292,32 @@ fn kernel_alone(src: &mut [u8], dst: &mut [u8], per_job: u64, jobs: u64, page: u
     print!("{line}");
 }
 
+/// When the first copy of `handles` began (after `t`), and for how long
+/// at least one of them was copying: the rest of the wall time after the
+/// first copy is time the copy slots stood idle (hand-overs between jobs,
+/// the last finish).
+fn copying(handles: &[lmcache_rc_core::transfer::JobHandle], t: Instant) -> (Duration, Duration) {
+    let mut spans: Vec<(Instant, Instant)> = handles
+        .iter()
+        .map(|h| {
+            let p = h.phases();
+            let start = h.submitted() + p.queued + p.check + p.map + p.lease + p.plan + p.handoff;
+            (start, start + p.copy)
+        })
+        .collect();
+    spans.sort();
+    let first = spans
+        .first()
+        .map_or(Duration::ZERO, |s| s.0.saturating_duration_since(t));
+    let (mut busy, mut end) = (Duration::ZERO, None::<Instant>);
+    for (s, e) in spans {
+        let from = end.map_or(s, |end| s.max(end));
+        busy += e.saturating_duration_since(from);
+        end = Some(end.map_or(e, |end| end.max(e)));
+    }
+    (first, busy)
+}
+
 /// The shape of `lmcache-rc bench`: 16 jobs of 64 × 256 KiB submitted at
 /// once, 1 and 2 copy threads; where the copy threads' time went.
 fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u32) {
@@ -328,9 +357,11 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
         };
         let (store, restore) = (start(&mut src), start(&mut dst));
         if workers == 1 {
+            let stats = store.stats();
             println!(
-                "shared-memory pool pages: {}",
-                store.stats().shm_pages.unwrap_or_default()
+                "shared-memory pool pages: {}; copy kernel: {}",
+                stats.shm_pages.unwrap_or_default(),
+                stats.copy_kernel
             );
         }
         let mut lines = Vec::new();
@@ -361,7 +392,11 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
                             block_ids: vec![(first..first + PER_JOB).collect()],
                             producer_event: None,
                         };
-                        engine.submit(job).expect("submit").expect("admitted")
+                        let h = engine.submit(job).expect("submit").expect("admitted");
+                        if std::env::var_os("BREAKDOWN_SERIAL").is_some() {
+                            h.wait(None);
+                        }
+                        h
                     })
                     .collect();
                 for h in &handles {
@@ -380,6 +415,7 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
                         sum(|p| p.copy),
                         sum(|p| p.finish),
                         sum(|p| p.handoff),
+                        copying(&handles, t),
                     ));
                 }
             }
@@ -400,10 +436,11 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
              whole buffer {:.2} GB/s",
             (len as f64) / memcpy.as_secs_f64() / 1e9
         );
-        for (name, wall, lease, copy, finish, handoff) in lines {
+        for (name, wall, lease, copy, finish, handoff, (first, busy)) in lines {
             println!(
                 "  {name}: {:6.2} GB/s ratio {:.3} | wall {:7.0} µs; summed over jobs: lease {:6.0} \
-                 copy {:7.0} finish {:6.0} handoff {:7.0} µs",
+                 copy {:7.0} finish {:6.0} handoff {:7.0} µs | first copy at {:5.0} µs, no copy \
+                 running for {:5.0} µs after it",
                 bytes / wall.as_secs_f64() / 1e9,
                 memcpy.as_secs_f64() * bytes / len as f64 / wall.as_secs_f64(),
                 us(wall),
@@ -411,6 +448,8 @@ fn pipelined(svc: &Arc<CheckpointService>, socket: &std::path::Path, seq: &mut u
                 us(copy),
                 us(finish),
                 us(handoff),
+                us(first),
+                us(wall.saturating_sub(first + busy)),
             );
         }
     }
