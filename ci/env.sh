@@ -22,7 +22,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 if ! command -v cargo >/dev/null; then
-  echo "error: cargo not found; install Rust (>= 1.85) first, e.g. from https://rustup.rs" >&2
+  echo "error: cargo not found; install Rust (>= 1.89) first, e.g. from https://rustup.rs" >&2
   exit 1
 fi
 # Sourced by several scripts in one run (ci/test.sh runs ci/lint.sh): build once.

@@ -59,10 +59,10 @@ fn crash_child_publish_loop() {
         }
         let probe = vec![(i % 31) as u32 + 1; 4];
         dir.find(&[prefix(&probe)]).unwrap();
-        if i % 7 == 0 {
+        if i.is_multiple_of(7) {
             dir.invalidate(&format!("crash-{round}-{}", i - 3)).unwrap();
         }
-        if i % 5 == 0 {
+        if i.is_multiple_of(5) {
             // Leave a generation half-acknowledged: it must never survive.
             let half = manifest(
                 &format!("half-{round}-{i}"),

@@ -741,10 +741,10 @@ struct Edited {
 impl ReplyHandle for Edited {
     fn wait(&self, timeout: Duration) -> Result<LeaseAnswer> {
         let mut answer = self.inner.wait(timeout)?;
-        if let LeaseAnswer::Lease(lease) = &mut answer {
-            if lease.status == LeaseStatus::Ready {
-                (self.edit)(lease);
-            }
+        if let LeaseAnswer::Lease(lease) = &mut answer
+            && lease.status == LeaseStatus::Ready
+        {
+            (self.edit)(lease);
         }
         Ok(answer)
     }
@@ -759,11 +759,11 @@ struct AsPending {
 impl ReplyHandle for AsPending {
     fn wait(&self, timeout: Duration) -> Result<LeaseAnswer> {
         let mut answer = self.inner.wait(timeout)?;
-        if let LeaseAnswer::Lease(lease) = &mut answer {
-            if let (LeaseStatus::Ready, Some(id)) = (lease.status, lease.lease_id.clone()) {
-                self.hidden.lock().insert(id.clone());
-                *lease = Lease::pending(id);
-            }
+        if let LeaseAnswer::Lease(lease) = &mut answer
+            && let (LeaseStatus::Ready, Some(id)) = (lease.status, lease.lease_id.clone())
+        {
+            self.hidden.lock().insert(id.clone());
+            *lease = Lease::pending(id);
         }
         Ok(answer)
     }

@@ -477,10 +477,10 @@ impl HttpAdmin {
     /// Idempotent.
     pub fn stop(&mut self) {
         self.shutdown.send_replace(true);
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                log::error!("HTTP admin: the server thread panicked");
-            }
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            log::error!("HTTP admin: the server thread panicked");
         }
         if let Some((path, contents)) = self.admin_file.take() {
             remove_admin_file(&path, &contents);

@@ -67,10 +67,10 @@ impl PyClient {
         // No lock is held while waiting without the GIL.
         let client = &parts.client;
         let current = py.detach(|| client.pool_id()).py()?;
-        if let Some(p) = lock(&parts.pool).as_ref() {
-            if p.id() == current {
-                return Ok(p.clone());
-            }
+        if let Some(p) = lock(&parts.pool).as_ref()
+            && p.id() == current
+        {
+            return Ok(p.clone());
         }
         let pool = py
             .detach(|| {
@@ -279,11 +279,11 @@ impl Drop for PyServer {
         // sidecar's drop). Its threads may log (which needs the GIL), so
         // wait for them without it. In a forked child there is nothing to
         // stop (see `fork`).
-        if let Some(sidecar) = self.inner.local() {
-            if !sidecar.is_stopped() {
-                Python::attach(|py| py.detach(|| sidecar.stop(Some(Duration::ZERO)).map(drop)))
-                    .unwrap_or_else(|e| log::warn!("stopping the lmcache-rc server: {e}"));
-            }
+        if let Some(sidecar) = self.inner.local()
+            && !sidecar.is_stopped()
+        {
+            Python::attach(|py| py.detach(|| sidecar.stop(Some(Duration::ZERO)).map(drop)))
+                .unwrap_or_else(|e| log::warn!("stopping the lmcache-rc server: {e}"));
         }
     }
 }

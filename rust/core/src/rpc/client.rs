@@ -501,10 +501,10 @@ impl PendingReply {
     /// Whether the reply (or the failure) is in; reads what has arrived
     /// when nobody else is reading.
     pub fn is_done(&self) -> bool {
-        if !self.slot.is_done() {
-            if let Some(conn) = &self.conn {
-                conn.drain();
-            }
+        if !self.slot.is_done()
+            && let Some(conn) = &self.conn
+        {
+            conn.drain();
         }
         self.slot.is_done()
     }
@@ -741,13 +741,13 @@ impl Client {
         if let Err(e) = greeted {
             // The server may have refused (and closed) before reading the
             // hello: its reason, if it arrived, says more than the reset.
-            if answer.is_ok() {
-                if let Ok((0, message)) = wire::decode_welcome(&buf) {
-                    return Err(Error::Protocol(format!(
-                        "the lmcache-rc server at {} refused the connection: {message}",
-                        self.path.display()
-                    )));
-                }
+            if answer.is_ok()
+                && let Ok((0, message)) = wire::decode_welcome(&buf)
+            {
+                return Err(Error::Protocol(format!(
+                    "the lmcache-rc server at {} refused the connection: {message}",
+                    self.path.display()
+                )));
             }
             return Err(self.unavailable("cannot greet", e));
         }

@@ -534,12 +534,11 @@ struct InstanceLock {
 
 impl Drop for InstanceLock {
     fn drop(&mut self) {
-        if let (Ok(ours), Ok(now)) = (self.file.metadata(), std::fs::symlink_metadata(&self.path)) {
-            if stat_id(&ours) == stat_id(&now) {
-                if let Err(e) = std::fs::remove_file(&self.path) {
-                    log::debug!("lock file {} not removed: {e}", self.path.display());
-                }
-            }
+        if let (Ok(ours), Ok(now)) = (self.file.metadata(), std::fs::symlink_metadata(&self.path))
+            && stat_id(&ours) == stat_id(&now)
+            && let Err(e) = std::fs::remove_file(&self.path)
+        {
+            log::debug!("lock file {} not removed: {e}", self.path.display());
         }
         // Closing the file releases the flock.
     }
@@ -743,20 +742,19 @@ fn bind_socket(path: &Path) -> Result<(UnixListener, (u64, u64), InstanceLock)> 
 
 /// Removes the socket file if it still is ours (a newer server's is kept).
 fn remove_socket(path: &Path, id: (u64, u64)) {
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if stat_id(&meta) == id {
-            if let Err(e) = std::fs::remove_file(path) {
-                log::warn!("could not remove socket {}: {e}", path.display());
-            }
-        }
+    if let Ok(meta) = std::fs::symlink_metadata(path)
+        && stat_id(&meta) == id
+        && let Err(e) = std::fs::remove_file(path)
+    {
+        log::warn!("could not remove socket {}: {e}", path.display());
     }
 }
 
 fn remove_dir(socket: &Path) {
-    if let Some(dir) = socket.parent() {
-        if let Err(e) = std::fs::remove_dir(dir) {
-            log::debug!("socket directory {} not removed: {e}", dir.display());
-        }
+    if let Some(dir) = socket.parent()
+        && let Err(e) = std::fs::remove_dir(dir)
+    {
+        log::debug!("socket directory {} not removed: {e}", dir.display());
     }
 }
 

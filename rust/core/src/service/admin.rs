@@ -162,13 +162,12 @@ pub(super) fn clear(inner: &Arc<Inner>, force: bool, all_tiers: bool) -> Result<
         }
         if st.objects.contains_key(&key) {
             st.drop_l1(&key);
-            if all_tiers {
-                if let Some(obj) = st.objects.get_mut(&key) {
-                    if obj.l2 == L2::Durable {
-                        obj.l2 = L2::Absent;
-                        st.queue_l2_delete(key);
-                    }
-                }
+            if all_tiers
+                && let Some(obj) = st.objects.get_mut(&key)
+                && obj.l2 == L2::Durable
+            {
+                obj.l2 = L2::Absent;
+                st.queue_l2_delete(key);
             }
             st.maybe_reclaim(&key);
         }

@@ -249,11 +249,11 @@ fn reconcile(inner: &Arc<Inner>, inventory: Option<Inventory>) -> Result<()> {
         for entry in &inv.objects {
             on_disk.insert(entry.key, entry.page_bytes);
         }
-        if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only) {
-            if !inv.unreadable.is_empty() {
-                let n = l2.reclaim_unreadable(&inv.unreadable)?;
-                log::warn!("reclaimed {n} unreadable or old-format L2 files");
-            }
+        if let Some(l2) = inner.l2.as_ref().filter(|_| !read_only)
+            && !inv.unreadable.is_empty()
+        {
+            let n = l2.reclaim_unreadable(&inv.unreadable)?;
+            log::warn!("reclaimed {n} unreadable or old-format L2 files");
         }
     }
     let mut listed = Vec::new();

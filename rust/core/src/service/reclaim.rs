@@ -220,11 +220,12 @@ impl Reaper {
                     sweep(&inner);
                     let unpolled = inner.config.retrieve_timeout.saturating_mul(2);
                     expire_unpolled(&inner, unpolled);
-                    if let (Some(at), Some(every)) = (next_abandoned, abandoned_every) {
-                        if Instant::now() >= at && inner.lock().accepting {
-                            abort_stale(&inner);
-                            next_abandoned = Some(Instant::now() + every);
-                        }
+                    if let (Some(at), Some(every)) = (next_abandoned, abandoned_every)
+                        && Instant::now() >= at
+                        && inner.lock().accepting
+                    {
+                        abort_stale(&inner);
+                        next_abandoned = Some(Instant::now() + every);
                     }
                 }
             })
@@ -242,10 +243,10 @@ impl Reaper {
             *lock.lock() = true;
             cv.notify_all();
         }
-        if let Some(t) = self.thread.take() {
-            if t.join().is_err() {
-                log::error!("the lease reclaim thread panicked");
-            }
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            log::error!("the lease reclaim thread panicked");
         }
     }
 }

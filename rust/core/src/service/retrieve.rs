@@ -462,10 +462,10 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             // waiters for ever (never idle: never evicted nor reclaimed).
             // The next poll looks at it again instead.
             Some(L1::Loading) => {
-                if let Some(obj) = st.objects.get_mut(&key) {
-                    if !obj.waiters.contains(&lease_no) {
-                        obj.waiters.push(lease_no);
-                    }
+                if let Some(obj) = st.objects.get_mut(&key)
+                    && !obj.waiters.contains(&lease_no)
+                {
+                    obj.waiters.push(lease_no);
                 }
             }
             Some(L1::Writing(_)) => {}
@@ -501,10 +501,10 @@ fn advance_retrieve(st: &mut State, lease_no: u64) {
             // group; a group's pages are distinct). Wait for the load as
             // pass 1 would.
             Some((L1::Loading, _, _, _)) => {
-                if let Some(obj) = st.objects.get_mut(&key) {
-                    if !obj.waiters.contains(&lease_no) {
-                        obj.waiters.push(lease_no);
-                    }
+                if let Some(obj) = st.objects.get_mut(&key)
+                    && !obj.waiters.contains(&lease_no)
+                {
+                    obj.waiters.push(lease_no);
                 }
             }
             // Not a load: the next poll looks again (see pass 1).

@@ -217,10 +217,11 @@ impl SharedSide {
         }
         self.tier.close();
         self.wake.notify_all();
-        if let Some(handle) = self.worker.lock().take() {
-            if handle.thread().id() != std::thread::current().id() && handle.join().is_err() {
-                log::error!("the shared tier's upload thread panicked");
-            }
+        if let Some(handle) = self.worker.lock().take()
+            && handle.thread().id() != std::thread::current().id()
+            && handle.join().is_err()
+        {
+            log::error!("the shared tier's upload thread panicked");
         }
         if let Some(pool) = self.fetch.lock().take() {
             pool.shutdown();
@@ -354,10 +355,10 @@ fn run(weak: Weak<Inner>) {
                     q.busy = true;
                     break Work::Upload(job);
                 }
-                if let Some(cursor) = q.backfill.clone() {
-                    if q.jobs.len() + BACKFILL_PAGE <= side.settings.upload_queue {
-                        break Work::Backfill(cursor);
-                    }
+                if let Some(cursor) = q.backfill.clone()
+                    && q.jobs.len() + BACKFILL_PAGE <= side.settings.upload_queue
+                {
+                    break Work::Backfill(cursor);
                 }
                 let until = q
                     .jobs
@@ -443,10 +444,10 @@ fn upload(inner: &Arc<Inner>, side: &SharedSide, job: Job) {
         let mut st = inner.lock();
         let namespace: Arc<str> = Arc::from(manifest.prefix().namespace());
         for (key, _) in &keys {
-            if result.is_ok() {
-                if let Some(obj) = st.objects.get_mut(key) {
-                    obj.remote.get_or_insert_with(|| namespace.clone());
-                }
+            if result.is_ok()
+                && let Some(obj) = st.objects.get_mut(key)
+            {
+                obj.remote.get_or_insert_with(|| namespace.clone());
             }
             st.end_io(key);
         }

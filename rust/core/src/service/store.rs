@@ -232,12 +232,12 @@ fn prepare_store_if(
     let Some(epoch) = epoch.filter(|e| staged_epoch(&st, &generation) == Some(*e)) else {
         return Ok(Some(st.miss(MissReason::NotPending)));
     };
-    if let Some(pg) = st.pending.get(&generation) {
-        if pg.ranks.get(&rank) == Some(&RankState::Committed) {
-            return Err(Error::invalid(format!(
-                "rank {rank} already committed {generation}"
-            )));
-        }
+    if let Some(pg) = st.pending.get(&generation)
+        && pg.ranks.get(&rank) == Some(&RankState::Committed)
+    {
+        return Err(Error::invalid(format!(
+            "rank {rank} already committed {generation}"
+        )));
     }
     if st.live_leases() >= inner.config.max_leases {
         let miss = st.miss(MissReason::LeaseBudget);

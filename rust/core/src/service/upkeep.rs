@@ -158,10 +158,11 @@ impl Upkeep {
             std::mem::take(&mut st.retries)
         };
         self.wake.notify_all();
-        if let Some(handle) = self.thread.lock().take() {
-            if handle.thread().id() != std::thread::current().id() && handle.join().is_err() {
-                log::error!("the upkeep thread panicked");
-            }
+        if let Some(handle) = self.thread.lock().take()
+            && handle.thread().id() != std::thread::current().id()
+            && handle.join().is_err()
+        {
+            log::error!("the upkeep thread panicked");
         }
         pending.into_values().collect()
     }

@@ -403,12 +403,12 @@ impl SharedTier {
         longer_than: u64,
         timeout: Duration,
     ) -> Result<LookupResult> {
-        if let Some(first) = queries.first() {
-            if queries.iter().any(|q| q.namespace() != first.namespace()) {
-                return Err(Error::invalid(
-                    "shared tier lookup: all queries must share one namespace",
-                ));
-            }
+        if let Some(first) = queries.first()
+            && queries.iter().any(|q| q.namespace() != first.namespace())
+        {
+            return Err(Error::invalid(
+                "shared tier lookup: all queries must share one namespace",
+            ));
         }
         let inner = self.inner.clone();
         let counters = &self.inner.counters;

@@ -72,7 +72,7 @@ impl SlotAllocator {
                 "slot alignment must be a power of two, got {align}"
             )));
         }
-        if capacity == 0 || capacity % align != 0 {
+        if capacity == 0 || !capacity.is_multiple_of(align) {
             return Err(Error::invalid(format!(
                 "pool capacity must be a positive multiple of the slot alignment {align}, got {capacity}"
             )));
@@ -152,11 +152,11 @@ impl SlotAllocator {
 
         let mut start = slot.offset;
         let mut end = slot.offset + slot.reserved;
-        if let Some((&prev, &prev_len)) = self.free_by_offset.range(..start).next_back() {
-            if prev + prev_len == start {
-                self.remove_free(prev, prev_len);
-                start = prev;
-            }
+        if let Some((&prev, &prev_len)) = self.free_by_offset.range(..start).next_back()
+            && prev + prev_len == start
+        {
+            self.remove_free(prev, prev_len);
+            start = prev;
         }
         if let Some(&next_len) = self.free_by_offset.get(&end) {
             self.remove_free(end, next_len);

@@ -182,7 +182,7 @@ impl ShmPool {
     /// now: too little memory gives [`Error::OutOfSpace`]. Nothing is left
     /// behind on any failure (the memory has no name).
     pub fn create(size: u64) -> Result<ShmPool> {
-        if size == 0 || size % PAGE != 0 {
+        if size == 0 || !size.is_multiple_of(PAGE) {
             return Err(Error::invalid(format!(
                 "shared-memory pool size must be a positive multiple of {PAGE} bytes, got {size}"
             )));

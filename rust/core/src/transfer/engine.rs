@@ -721,11 +721,11 @@ impl Inner {
                     if let Some((job, handle, started)) = q.started.pop_front() {
                         break Some((job, handle, Some(started)));
                     }
-                    if q.can_lease(workers) {
-                        if let Some((job, handle)) = q.jobs.pop_front() {
-                            q.leasing += 1;
-                            break Some((job, handle, None));
-                        }
+                    if q.can_lease(workers)
+                        && let Some((job, handle)) = q.jobs.pop_front()
+                    {
+                        q.leasing += 1;
+                        break Some((job, handle, None));
                     }
                     if q.closing && q.jobs.is_empty() && q.starting == 0 {
                         break None;
@@ -1382,12 +1382,12 @@ impl Inner {
             rank,
         };
         let wait = self.config.rpc_timeout.min(Duration::from_secs(1));
-        if let Err(e) = self.api.call(call).wait(wait) {
-            if e.kind() != ErrorKind::NotFound {
-                log::warn!(
-                    "cancelling retrieve lease {lease_id} failed ({e}); the sidecar releases it"
-                );
-            }
+        if let Err(e) = self.api.call(call).wait(wait)
+            && e.kind() != ErrorKind::NotFound
+        {
+            log::warn!(
+                "cancelling retrieve lease {lease_id} failed ({e}); the sidecar releases it"
+            );
         }
     }
 }

@@ -346,14 +346,15 @@ impl ReadFile for FaultyReadFile {
             s.bytes_read += buf.len() as u64;
             let end = offset.saturating_add(buf.len() as u64);
             for (at, left) in s.flips.iter_mut() {
-                if *left > 0 && *at >= offset && *at < end {
-                    if let Some(byte) = usize::try_from(*at - offset)
+                if *left > 0
+                    && *at >= offset
+                    && *at < end
+                    && let Some(byte) = usize::try_from(*at - offset)
                         .ok()
                         .and_then(|i| buf.get_mut(i))
-                    {
-                        *byte ^= 0xff;
-                        *left -= 1;
-                    }
+                {
+                    *byte ^= 0xff;
+                    *left -= 1;
                 }
             }
         }
