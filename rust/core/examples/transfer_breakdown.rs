@@ -5,7 +5,7 @@
 //! RPC server in this process, with one copy thread and one job at a time.
 //! Next to each: a single-thread memcpy of the job's bytes and one RPC round
 //! trip (`capabilities`), measured in the same run. Then the shape of
-//! `lmcache-rc bench` (16 jobs of 64 × 256 KiB at once): first the copy
+//! `lmcache-rc bench` (16 jobs of 64 × 256 KiB at once): first each copy
 //! kernel alone (no RPC, no other thread), then through the engine.
 //!
 //! ```text
@@ -36,7 +36,7 @@ use lmcache_rc_core::service::{CheckpointService, ServiceConfig};
 use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::transfer::{
     CopyBackend, CopyPlan, CpuBackend, Direction, EngineConfig, Job, JobPhases, LeaseApi,
-    LeaseCall, PageCopy, PoolShape, ReplyHandle, TransferEngine,
+    LeaseCall, PageCopy, PoolShape, ReplyHandle, StreamKernel, TransferEngine,
 };
 use lmcache_rc_core::{Manifest, TokenRoots, checkpoint_generation};
 
@@ -221,11 +221,14 @@ fn huge_pool(len: usize) -> Vec<u8> {
     v
 }
 
-/// The copy kernel alone, in the shape of [`pipelined`]: `CpuBackend::copy`
+/// The copy kernels alone, in the shape of [`pipelined`]: `CpuBackend::copy`
 /// of 16 plans of 64 × 256 KiB each, one after another on this thread, no
-/// RPC and no other thread, into and out of a pool of its own. Set beside
-/// the pipelined figures, it tells the copy's own speed from what running
-/// inside the engine costs it (hand-over gaps, other threads on the cores).
+/// RPC and no other thread, into and out of a pool of its own, with every
+/// [`StreamKernel`] in turn (rounds alternate between them, so a busy moment
+/// of the machine falls on all alike). Set beside the pipelined figures, the
+/// detected kernel's line tells the copy's own speed from what running
+/// inside the engine costs it (hand-over gaps, other threads on the cores);
+/// the others tell whether the detection picked the fastest on this CPU.
 fn kernel_alone(src: &mut [u8], dst: &mut [u8], per_job: u64, jobs: u64, page: u64) {
     let rows = jobs * per_job + 1;
     let pool = ShmPool::create(rows * page).expect("pool");
@@ -233,51 +236,53 @@ fn kernel_alone(src: &mut [u8], dst: &mut [u8], per_job: u64, jobs: u64, page: u
         num_blocks: rows,
         page_bytes: page,
     };
-    let mut memcpy = Vec::new();
-    let mut line = String::new();
-    for (name, direction, buf) in [
-        ("store  ", Direction::Store, &mut *src),
-        ("restore", Direction::Retrieve, &mut *dst),
-    ] {
-        // SAFETY: `buf` outlives the backend (dropped at the end of the loop).
-        let backend = unsafe { CpuBackend::new(buf.as_mut_ptr(), shape) }.expect("backend");
-        let mut per_copy = Vec::new();
-        let mut walls = Vec::new();
-        for round in 0..6 {
-            let t = Instant::now();
-            for job in 0..jobs {
-                let pages = (0..per_job)
+    let plans = |direction: Direction| -> Vec<CopyPlan> {
+        (0..jobs)
+            .map(|job| CopyPlan {
+                direction,
+                pages: (0..per_job)
                     .map(|p| PageCopy {
                         group: 0,
                         block: 1 + job * per_job + p,
                         shm_offset: (job * per_job + p) * page,
                         page_bytes: page,
                     })
-                    .collect();
-                let plan = CopyPlan {
-                    direction,
-                    pages,
-                    skipped: 0,
-                };
-                let c = Instant::now();
-                assert!(backend.copy(&plan, &pool, None).is_ok(), "copy failed");
+                    .collect(),
+                skipped: 0,
+            })
+            .collect()
+    };
+    let directions = [
+        ("store  ", plans(Direction::Store)),
+        ("restore", plans(Direction::Retrieve)),
+    ];
+    let kernels = StreamKernel::available();
+    // Per kernel and direction: each copy's time, each round's wall time.
+    let mut times = vec![[(Vec::new(), Vec::new()), (Vec::new(), Vec::new())]; kernels.len()];
+    for round in 0..8 {
+        for (k, kernel) in kernels.iter().copied().enumerate() {
+            for (d, (_, plans)) in directions.iter().enumerate() {
+                let buf: &mut [u8] = if d == 0 { &mut *src } else { &mut *dst };
+                // SAFETY: `buf` outlives the backend (dropped at the end of
+                // this iteration).
+                let backend = unsafe { CpuBackend::new(buf.as_mut_ptr(), shape) }
+                    .expect("backend")
+                    .with_kernel(kernel);
+                let t = Instant::now();
+                for plan in plans {
+                    let c = Instant::now();
+                    assert!(backend.copy(plan, &pool, None).is_ok(), "copy failed");
+                    if round > 0 {
+                        times[k][d].0.push(c.elapsed());
+                    }
+                }
                 if round > 0 {
-                    per_copy.push(c.elapsed());
+                    times[k][d].1.push(t.elapsed());
                 }
             }
-            if round > 0 {
-                walls.push(t.elapsed());
-            }
         }
-        let job_bytes = (per_job * page) as f64;
-        let all = (jobs * per_job * page) as f64;
-        line.push_str(&format!(
-            "  {name}: {:6.2} GB/s (per copy p50 {:.2} GB/s)",
-            all / median(walls).as_secs_f64() / 1e9,
-            job_bytes / median(per_copy).as_secs_f64() / 1e9,
-        ));
-        line.push('\n');
     }
+    let mut memcpy = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
         dst.copy_from_slice(src);
@@ -285,11 +290,28 @@ fn kernel_alone(src: &mut [u8], dst: &mut [u8], per_job: u64, jobs: u64, page: u
     }
     dst.fill(0);
     println!(
-        "copy kernel alone (CpuBackend::copy, {jobs} x {per_job} x 256 KiB, no RPC): memcpy of the \
-         whole buffer {:.2} GB/s",
+        "copy kernels alone (CpuBackend::copy, {jobs} x {per_job} x 256 KiB, no RPC): memcpy of \
+         the whole buffer {:.2} GB/s",
         (src.len() as f64) / median(memcpy).as_secs_f64() / 1e9
     );
-    print!("{line}");
+    let job_bytes = (per_job * page) as f64;
+    let all = (jobs * per_job * page) as f64;
+    for (k, kernel) in kernels.iter().copied().enumerate() {
+        let mark = if kernel == StreamKernel::detected() {
+            " (this CPU's)"
+        } else {
+            ""
+        };
+        println!("  {}{mark}:", kernel.describe());
+        for (d, (name, _)) in directions.iter().enumerate() {
+            let (per_copy, walls) = std::mem::take(&mut times[k][d]);
+            println!(
+                "    {name}: {:6.2} GB/s (per copy p50 {:.2} GB/s)",
+                all / median(walls).as_secs_f64() / 1e9,
+                job_bytes / median(per_copy).as_secs_f64() / 1e9,
+            );
+        }
+    }
 }
 
 /// When the first copy of `handles` began (after `t`), and for how long

@@ -114,6 +114,7 @@ pub struct CpuBackend {
     bases: Vec<*mut u8>,
     layout: PageLayout,
     faults: FaultQueue,
+    kernel: StreamKernel,
 }
 
 // SAFETY: `CpuBackend` only stores the base addresses of memory that its
@@ -163,7 +164,15 @@ impl CpuBackend {
             bases,
             layout,
             faults: FaultQueue::default(),
+            kernel: StreamKernel::detected(),
         })
+    }
+
+    /// The same backend streaming large runs with `kernel` instead of the
+    /// one [`StreamKernel::detected`] picks (benchmarks compare them).
+    pub fn with_kernel(mut self, kernel: StreamKernel) -> CpuBackend {
+        self.kernel = kernel;
+        self
     }
 
     /// The test hook's fault queue.
@@ -203,43 +212,77 @@ const INTERLEAVE: usize = 4;
 const LINEAR_STEP: usize = 256;
 
 /// How a large copy walks its bytes with streaming stores, chosen once per
-/// process by CPU vendor: each is the faster of the two where it was
-/// measured, and the other is much slower there.
+/// process from the CPU ([`StreamKernel::detected`]): each is the fastest
+/// where it is chosen, and the others are slower there.
 ///
 /// Measured with 256 KiB pages between a huge-page buffer and a 4 KiB-page
-/// shared-memory mapping (medians of 9 alternating rounds, store / restore):
+/// shared-memory mapping (medians of alternating rounds, store / restore):
 /// on an AMD EPYC (Zen 4) VM, linear 20.6 / 21.3 GB/s against interleaved
-/// 15.9 / 15.7 GB/s (and glibc's 256 MiB memcpy 14.2 GB/s); on an Intel
-/// Xeon VM, interleaved ~11.3–11.8 GB/s against ~8.6 GB/s for a linear
-/// stream (64 bytes per step) and ~12.7 GB/s for memcpy.
+/// 15.9 / 15.7 GB/s (and glibc's 256 MiB memcpy 14.2 GB/s; AVX-512 stores
+/// ~9 % slower); on an Intel Xeon VM, interleaved ~11.3–11.8 GB/s against
+/// ~8.6 GB/s for a linear stream (64 bytes per step) and ~12.7 GB/s for
+/// memcpy; on a 5th-generation Intel Xeon VM (512 MiB, beyond its cache),
+/// interleaved with AVX-512 stores 12.2–12.3 / 11.8–12.1 GB/s against
+/// 11.8 / 11.5–11.6 with SSE2 stores and 9.9–10.0 / 9.2 linear.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamKernel {
-    /// [`LINEAR_STEP`] bytes loaded, then stored, front to back (AMD and
-    /// Hygon CPUs).
+    /// [`LINEAR_STEP`] bytes loaded into SSE2 registers, then stored, front
+    /// to back (AMD and Hygon CPUs).
     Linear,
     /// Blocks of [`INTERLEAVE`] × 4 KiB, one cache line of each page in
-    /// turn, the next block's lines prefetched (every other CPU).
+    /// turn, the next block's lines prefetched, with SSE2 stores (other CPUs
+    /// without AVX-512).
     Interleaved,
+    /// As [`StreamKernel::Interleaved`], each cache line moved by one
+    /// AVX-512 load and store (other CPUs with AVX-512F: fewer instructions
+    /// per line leave more of a shared core to the other threads; on the
+    /// 5th-generation Xeon VM `lmcache-rc bench`'s one-thread stores went
+    /// from 0.80–0.84 to 0.86–0.88 of memcpy). Where the CPU lacks AVX-512F
+    /// it runs as `Interleaved`.
+    InterleavedAvx512,
 }
 
 impl StreamKernel {
+    /// The kernels this CPU can run (benchmarks compare them).
+    pub fn available() -> Vec<StreamKernel> {
+        let mut all = vec![StreamKernel::Linear, StreamKernel::Interleaved];
+        if has_avx512f() {
+            all.push(StreamKernel::InterleavedAvx512);
+        }
+        all
+    }
+
     /// The kernel this CPU uses (detected once).
     pub fn detected() -> StreamKernel {
         static KERNEL: std::sync::OnceLock<StreamKernel> = std::sync::OnceLock::new();
         *KERNEL.get_or_init(|| match cpu_vendor() {
             Some(v) if v == *b"AuthenticAMD" || v == *b"HygonGenuine" => StreamKernel::Linear,
+            _ if has_avx512f() => StreamKernel::InterleavedAvx512,
             _ => StreamKernel::Interleaved,
         })
     }
 
     /// For status and benchmarks: `"streaming stores, linear (256 B
-    /// steps)"` or `"streaming stores, interleaved (4 x 4 KiB)"`.
+    /// steps)"`, `"streaming stores, interleaved (4 x 4 KiB)"` or
+    /// `"streaming stores, interleaved (4 x 4 KiB, AVX-512)"`.
     pub fn describe(self) -> &'static str {
         match self {
             StreamKernel::Linear => "streaming stores, linear (256 B steps)",
             StreamKernel::Interleaved => "streaming stores, interleaved (4 x 4 KiB)",
+            StreamKernel::InterleavedAvx512 => "streaming stores, interleaved (4 x 4 KiB, AVX-512)",
         }
     }
+}
+
+/// Whether the CPU runs AVX-512F instructions (detected once by the
+/// standard library); false off x86-64.
+fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The CPU's vendor string (CPUID leaf 0), None off x86-64.
@@ -261,7 +304,8 @@ fn cpu_vendor() -> Option<[u8; 12]> {
 /// Copies `len` bytes from `src` to `dst` (non-overlapping).
 ///
 /// Large copies use non-temporal (streaming) stores on x86-64, walked as
-/// [`StreamKernel::detected`] says: page copies are written once and read
+/// `kernel` says (the backend's, [`StreamKernel::detected`] unless a
+/// benchmark chose another): page copies are written once and read
 /// by someone else (the sidecar, the GPU or a later step), so caching them
 /// only costs read-for-ownership traffic. On an earlier CI VM (AMD EPYC),
 /// `memcpy` moved 256 KiB pages out of shared memory at only 3–5 GB/s (it
@@ -272,23 +316,24 @@ fn cpu_vendor() -> Option<[u8; 12]> {
 ///
 /// `src` must be readable and `dst` writable for `len` bytes, and the ranges
 /// must not overlap.
-unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize, kernel: StreamKernel) {
     #[cfg(target_arch = "x86_64")]
     if len >= STREAM_MIN {
         // SAFETY: forwarded from this function's contract.
-        unsafe { stream_copy(dst, src, len, StreamKernel::detected()) };
+        unsafe { stream_copy(dst, src, len, kernel) };
         return;
     }
     // SAFETY: forwarded from this function's contract.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
-/// Streaming copy: aligns `dst` to a cache line, then copies with SSE2
+/// Streaming copy: aligns `dst` to a cache line, then copies with
 /// non-temporal stores in `kernel`'s order (the interleaved kernel's tail
-/// linearly), then a store fence. SSE2 is part of the x86-64 baseline, so
-/// no feature detection is needed: AVX2 stores measured no faster on either
-/// machine, AVX-512 ones ~4 % faster on the Intel VM and ~9 % slower on the
-/// AMD one.
+/// linearly, with SSE2), then a store fence. SSE2 is part of the x86-64
+/// baseline, so only the AVX-512 blocks need the CPU checked: AVX2 stores
+/// measured no faster anywhere, AVX-512 ones faster on the Intel VMs and
+/// ~9 % slower on the AMD one ([`StreamKernel`]).
 ///
 /// # Safety
 ///
@@ -305,12 +350,18 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize, kernel: StreamKe
     let (d, s, n) = unsafe { (dst.add(head), src.add(head), len - head) };
     let done = match kernel {
         StreamKernel::Linear => 0,
-        StreamKernel::Interleaved => {
+        StreamKernel::Interleaved | StreamKernel::InterleavedAvx512 => {
             let block = INTERLEAVE * INTERLEAVE_PAGE;
             let blocks = n / block;
-            // SAFETY: `blocks * block <= n` bytes from `s` / `d` lie inside
-            // the caller's buffers; `d` is 64-byte aligned.
-            unsafe { stream_blocks_sse2(d, s, blocks) };
+            if kernel == StreamKernel::InterleavedAvx512 && has_avx512f() {
+                // SAFETY: `blocks * block <= n` bytes from `s` / `d` lie
+                // inside the caller's buffers; `d` is 64-byte aligned; the
+                // CPU runs AVX-512F (just checked).
+                unsafe { stream_blocks_avx512(d, s, blocks) };
+            } else {
+                // SAFETY: as above (SSE2 is part of the x86-64 baseline).
+                unsafe { stream_blocks_sse2(d, s, blocks) };
+            }
             blocks * block
         }
     };
@@ -348,6 +399,41 @@ unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
                 unsafe {
                     _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
                     stream_sse2::<4>(dst.add(off), src.add(off));
+                }
+            }
+        }
+    }
+}
+
+/// `blocks` interleaved blocks as [`stream_blocks_sse2`], each cache line
+/// by one AVX-512 load and one non-temporal store.
+///
+/// # Safety
+///
+/// `blocks * INTERLEAVE * INTERLEAVE_PAGE` bytes readable at `src` and
+/// writable at `dst` (64-byte aligned), not overlapping; the CPU must run
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn stream_blocks_avx512(dst: *mut u8, src: *const u8, blocks: usize) {
+    use std::arch::x86_64::{
+        __m512i, _MM_HINT_T0, _mm_prefetch, _mm512_loadu_si512, _mm512_stream_si512,
+    };
+    let block = INTERLEAVE * INTERLEAVE_PAGE;
+    for b in 0..blocks {
+        for line in (0..INTERLEAVE_PAGE).step_by(64) {
+            for page in 0..INTERLEAVE {
+                let off = b * block + page * INTERLEAVE_PAGE + line;
+                // SAFETY: `off + 64 <= blocks * block`, inside both buffers
+                // (caller's contract); `dst + off` is 64-byte aligned (`dst`
+                // is, and `off` is a multiple of 64), as
+                // `_mm512_stream_si512` requires; the load takes any
+                // alignment. A prefetch never faults, and its address is
+                // computed with wrapping arithmetic.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
+                    let line = _mm512_loadu_si512(src.add(off) as *const __m512i);
+                    _mm512_stream_si512(dst.add(off) as *mut __m512i, line);
                 }
             }
         }
@@ -500,7 +586,7 @@ impl CopyBackend for CpuBackend {
 
     fn copy_kernel(&self) -> &'static str {
         if cfg!(target_arch = "x86_64") {
-            StreamKernel::detected().describe()
+            self.kernel.describe()
         } else {
             "memcpy"
         }
@@ -560,8 +646,8 @@ impl CopyBackend for CpuBackend {
                 let slot = shm.add(run.shm_offset as usize);
                 let len = run.len as usize;
                 match plan.direction {
-                    Direction::Store => copy_bytes(slot, page, len),
-                    Direction::Retrieve => copy_bytes(page, slot, len),
+                    Direction::Store => copy_bytes(slot, page, len, self.kernel),
+                    Direction::Retrieve => copy_bytes(page, slot, len, self.kernel),
                 }
             }
         }
@@ -611,13 +697,15 @@ mod tests {
     fn copy_bytes_is_exact_for_every_alignment_and_length() {
         // SAFETY: forwarded from `exact_for_every_alignment_and_length`'s
         // calls (in-bounds, distinct ranges).
-        exact_for_every_alignment_and_length(|d, s, n| unsafe { copy_bytes(d, s, n) });
+        exact_for_every_alignment_and_length(|d, s, n| unsafe {
+            copy_bytes(d, s, n, StreamKernel::detected())
+        });
     }
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn both_streaming_kernels_are_exact_for_every_alignment_and_length() {
-        for kernel in [StreamKernel::Linear, StreamKernel::Interleaved] {
+    fn every_streaming_kernel_is_exact_for_every_alignment_and_length() {
+        for kernel in StreamKernel::available() {
             // SAFETY: as above (the streaming copy takes any length).
             exact_for_every_alignment_and_length(|d, s, n| unsafe { stream_copy(d, s, n, kernel) });
         }
@@ -663,18 +751,27 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn the_streaming_kernel_follows_the_cpu_vendor() {
+    fn the_streaming_kernel_follows_the_cpu() {
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").expect("cpuinfo");
         let vendor = cpuinfo
             .lines()
             .find_map(|l| l.strip_prefix("vendor_id"))
             .map(|v| v.trim_start_matches([' ', '\t', ':']).trim())
             .expect("vendor_id");
-        let expected = if matches!(vendor, "AuthenticAMD" | "HygonGenuine") {
-            StreamKernel::Linear
-        } else {
-            StreamKernel::Interleaved
+        let avx512f = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("flags"))
+            .is_some_and(|flags| flags.split_whitespace().any(|f| f == "avx512f"));
+        let expected = match vendor {
+            "AuthenticAMD" | "HygonGenuine" => StreamKernel::Linear,
+            _ if avx512f => StreamKernel::InterleavedAvx512,
+            _ => StreamKernel::Interleaved,
         };
+        assert_eq!(
+            StreamKernel::available().contains(&StreamKernel::InterleavedAvx512),
+            avx512f,
+            "the AVX-512 kernel is offered exactly where the CPU runs it"
+        );
         assert_eq!(StreamKernel::detected(), expected, "vendor {vendor}");
         let mut pool = vec![0u8; 4 * 4096];
         let shape = PoolShape {
@@ -688,6 +785,54 @@ mod tests {
             expected.describe(),
             "the cpu backend reports the kernel it runs"
         );
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_backend_copies_pages_exactly_with_every_kernel() {
+        const PAGE: u64 = 3 * STREAM_MIN as u64 + 192;
+        let shape = PoolShape {
+            num_blocks: 4,
+            page_bytes: PAGE,
+        };
+        let pool = ShmPool::create((3 * PAGE).next_multiple_of(4096)).expect("shared memory");
+        for kernel in StreamKernel::available() {
+            let mut src: Vec<u8> = (0..4 * PAGE).map(|i| (i * 31 % 251) as u8).collect();
+            let mut dst = vec![0u8; (4 * PAGE) as usize];
+            let copy = |base: &mut Vec<u8>, direction, blocks: [u64; 3]| {
+                // SAFETY: `base` outlives the backend (dropped in this call)
+                // and holds `num_blocks` pages.
+                let backend = unsafe { CpuBackend::new(base.as_mut_ptr(), shape) }
+                    .expect("backend")
+                    .with_kernel(kernel);
+                assert_eq!(backend.copy_kernel(), kernel.describe());
+                let plan = CopyPlan {
+                    direction,
+                    pages: blocks
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &block)| PageCopy {
+                            group: 0,
+                            block,
+                            shm_offset: i as u64 * PAGE,
+                            page_bytes: PAGE,
+                        })
+                        .collect(),
+                    skipped: 0,
+                };
+                assert!(backend.copy(&plan, &pool, None).is_ok(), "{kernel:?}");
+            };
+            // Blocks 1, 2 join into one run; 3 lands after them in the
+            // shared memory but is restored to block 1 of the other pool.
+            copy(&mut src, Direction::Store, [1, 2, 3]);
+            copy(&mut dst, Direction::Retrieve, [2, 3, 1]);
+            let page =
+                |v: &[u8], b: u64| v[(b * PAGE) as usize..((b + 1) * PAGE) as usize].to_vec();
+            assert_eq!(page(&dst, 2), page(&src, 1), "{kernel:?}");
+            assert_eq!(page(&dst, 3), page(&src, 2), "{kernel:?}");
+            assert_eq!(page(&dst, 1), page(&src, 3), "{kernel:?}");
+            assert!(page(&dst, 0).iter().all(|&b| b == 0), "{kernel:?}");
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
