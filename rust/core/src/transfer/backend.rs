@@ -375,69 +375,73 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, len: usize, kernel: StreamKe
     unsafe { _mm_sfence() };
 }
 
-/// `blocks` interleaved blocks with SSE2 (the x86-64 baseline), 64 bytes
-/// (one cache line) of each page in turn.
-///
-/// # Safety
-///
-/// `blocks * INTERLEAVE * INTERLEAVE_PAGE` bytes readable at `src` and
-/// writable at `dst` (16-byte aligned), not overlapping.
+/// The interleaved walk over `$blocks` blocks at `$dst` / `$src`: 64 bytes
+/// (one cache line) of each of the block's pages in turn, the line one
+/// block ahead prefetched, each line copied by `$line` (inside the walk's
+/// `unsafe` block) with the line's addresses bound to `$d` / `$s`. A macro
+/// rather than a function taking the line copy, so the copy is inlined
+/// into each caller with that caller's target features.
 #[cfg(target_arch = "x86_64")]
-unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
-    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let block = INTERLEAVE * INTERLEAVE_PAGE;
-    for b in 0..blocks {
-        for line in (0..INTERLEAVE_PAGE).step_by(64) {
-            for page in 0..INTERLEAVE {
-                let off = b * block + page * INTERLEAVE_PAGE + line;
-                // SAFETY: `off + 64 <= blocks * block`, inside both buffers
-                // (caller's contract); `dst + off` is 16-byte aligned
-                // (`dst` is, and `off` is a multiple of 64), as
-                // `_mm_stream_si128` requires; loads take any alignment. A
-                // prefetch never faults, and its address is computed with
-                // wrapping arithmetic (it may point past the buffer).
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
-                    stream_sse2::<4>(dst.add(off), src.add(off));
+macro_rules! interleaved_blocks {
+    ($dst:expr, $src:expr, $blocks:expr, |$d:ident, $s:ident| $line:block) => {{
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let (dst, src): (*mut u8, *const u8) = ($dst, $src);
+        let block = INTERLEAVE * INTERLEAVE_PAGE;
+        for b in 0..$blocks {
+            for line in (0..INTERLEAVE_PAGE).step_by(64) {
+                for page in 0..INTERLEAVE {
+                    let off = b * block + page * INTERLEAVE_PAGE + line;
+                    // SAFETY: `off + 64 <= blocks * block`, inside both
+                    // buffers (the caller's contract); `dst + off` is as
+                    // aligned as `dst` (`off` is a multiple of 64), which
+                    // the caller's line copy relies on. A prefetch never
+                    // faults, and its address is computed with wrapping
+                    // arithmetic (it may point past the buffer).
+                    unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
+                        let ($d, $s) = (dst.add(off), src.add(off));
+                        $line
+                    }
                 }
             }
         }
-    }
+    }};
 }
 
-/// `blocks` interleaved blocks as [`stream_blocks_sse2`], each cache line
-/// by one AVX-512 load and one non-temporal store.
+/// `blocks` interleaved blocks ([`interleaved_blocks`]), each line by four
+/// SSE2 (the x86-64 baseline) loads and non-temporal stores.
 ///
 /// # Safety
 ///
 /// `blocks * INTERLEAVE * INTERLEAVE_PAGE` bytes readable at `src` and
-/// writable at `dst` (64-byte aligned), not overlapping; the CPU must run
-/// AVX-512F.
+/// writable at `dst` (16-byte aligned, as `_mm_stream_si128` requires),
+/// not overlapping.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_blocks_sse2(dst: *mut u8, src: *const u8, blocks: usize) {
+    // Each line: 64 bytes inside both buffers, `d` 16-byte aligned (the
+    // macro's SAFETY comment and this function's contract).
+    interleaved_blocks!(dst, src, blocks, |d, s| { stream_sse2::<4>(d, s) });
+}
+
+/// `blocks` interleaved blocks ([`interleaved_blocks`]), each line by one
+/// AVX-512 load and one non-temporal store.
+///
+/// # Safety
+///
+/// `blocks * INTERLEAVE * INTERLEAVE_PAGE` bytes readable at `src` and
+/// writable at `dst` (64-byte aligned, as `_mm512_stream_si512` requires),
+/// not overlapping; the CPU must run AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn stream_blocks_avx512(dst: *mut u8, src: *const u8, blocks: usize) {
-    use std::arch::x86_64::{
-        __m512i, _MM_HINT_T0, _mm_prefetch, _mm512_loadu_si512, _mm512_stream_si512,
-    };
-    let block = INTERLEAVE * INTERLEAVE_PAGE;
-    for b in 0..blocks {
-        for line in (0..INTERLEAVE_PAGE).step_by(64) {
-            for page in 0..INTERLEAVE {
-                let off = b * block + page * INTERLEAVE_PAGE + line;
-                // SAFETY: `off + 64 <= blocks * block`, inside both buffers
-                // (caller's contract); `dst + off` is 64-byte aligned (`dst`
-                // is, and `off` is a multiple of 64), as
-                // `_mm512_stream_si512` requires; the load takes any
-                // alignment. A prefetch never faults, and its address is
-                // computed with wrapping arithmetic.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(off + block) as *const i8);
-                    let line = _mm512_loadu_si512(src.add(off) as *const __m512i);
-                    _mm512_stream_si512(dst.add(off) as *mut __m512i, line);
-                }
-            }
-        }
-    }
+    use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_stream_si512};
+    // Each line: 64 bytes inside both buffers, `d` 64-byte aligned (the
+    // macro's SAFETY comment and this function's contract); the load takes
+    // any alignment; this function runs only where AVX-512F does.
+    interleaved_blocks!(dst, src, blocks, |d, s| {
+        let line = _mm512_loadu_si512(s as *const __m512i);
+        _mm512_stream_si512(d as *mut __m512i, line);
+    });
 }
 
 /// `N` × 16 bytes: all `N` unaligned loads first, then the non-temporal
