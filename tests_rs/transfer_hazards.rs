@@ -15,11 +15,11 @@ use lmcache_rc_core::service::{Capabilities, CheckpointService, Lease};
 use lmcache_rc_core::store::shm::ShmPool;
 use lmcache_rc_core::transfer::{
     CopyBackend, CopyFailure, CopyPlan, CpuBackend, Direction, LeaseAnswer, LeaseApi, LeaseCall,
-    PageCopy, PageLayout, PoolShape, Registration, ReplyHandle, TransferEngine,
+    PageCopy, PageLayout, PoolShape, Registration, ReplyHandle, TransferEngine, plan,
 };
 use lmcache_rc_core::{Error, Result};
 
-use crate::service_common::store_all;
+use crate::service_common::{object_bytes, rank_keys, store_all};
 use crate::transfer_common::*;
 
 // ---------------------------------------------------------------------------
@@ -382,4 +382,55 @@ fn an_engine_refuses_a_job_whose_rows_an_unfinished_job_writes() {
     let again = worker.run(job(&m, 0, Direction::Retrieve, &rows));
     assert_eq!(again.kind, "copied", "{again:?}");
     check_rows(&worker.pool, &m, 0, &rows);
+}
+
+/// Concurrent restores of one engine that share pages the worker already
+/// holds (vLLM's local prefix hit: a shared system prompt) all name block 0
+/// for them. Block 0 is "already in place, not copied": no job writes it, so
+/// it never clashes, while the blocks each one copies still claim their rows.
+#[test]
+fn concurrent_retrieves_that_skip_the_same_local_pages_are_both_admitted() {
+    let (svc, api) = scripted_service("rev-skip-clash");
+    let m = tgen(33_100, 40, 1);
+    store_all(&svc, &m);
+    api.always("begin_retrieve", Step::AsPending);
+    api.always("poll_retrieve", Step::Pending);
+    let worker = Worker::scripted(&api, Duration::from_secs(2));
+    let with_skip = |first: u64| {
+        let mut rows = blocks(&m, first);
+        rows[0][0] = plan::SKIP; // the local hit's page: in place on this worker
+        rows
+    };
+    let a_rows = with_skip(1);
+    let b_rows = with_skip(32);
+    let a = worker.submit(job(&m, 0, Direction::Retrieve, &a_rows));
+    let b = worker.submit(job(&m, 0, Direction::Retrieve, &b_rows));
+    // The rows they copy still claim: a third restore into b's rows is refused.
+    let e = worker
+        .engine
+        .submit(job(&m, 0, Direction::Retrieve, &b_rows))
+        .err()
+        .expect("a retrieve into rows another one writes is refused");
+    assert!(e.to_string().contains("being written"), "{e}");
+    assert!(
+        !e.to_string().contains("block 0 "),
+        "block 0 was claimed: {e}"
+    );
+
+    api.reset();
+    assert_eq!(done(&a).kind, "copied");
+    assert_eq!(done(&b).kind, "copied");
+    // Both wrote every page they did not skip.
+    for rows in [&a_rows, &b_rows] {
+        for (g, (keys, ids)) in rank_keys(&m, 0).iter().zip(rows.iter()).enumerate() {
+            for (key, &id) in keys.iter().zip(ids) {
+                if id != plan::SKIP {
+                    assert!(
+                        worker.pool.row(id) == object_bytes(key, PAGE),
+                        "group {g} row {id}: bytes differ"
+                    );
+                }
+            }
+        }
+    }
 }

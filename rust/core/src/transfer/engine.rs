@@ -309,11 +309,23 @@ impl Queue {
         !self.jobs.is_empty() && self.leasing + self.ready.len() < workers
     }
 
+    /// The blocks a job copies into or out of: a retrieve's [`plan::SKIP`]
+    /// entries (pages already in place, never written) name no block.
+    fn touched(job: &Job) -> impl Iterator<Item = u64> + '_ {
+        let skips = job.direction == Direction::Retrieve;
+        job.block_ids
+            .iter()
+            .flatten()
+            .copied()
+            .filter(move |&b| !(skips && b == plan::SKIP))
+    }
+
     /// Refuses a job that would write a block another admitted job reads
     /// or writes, or read a block another one writes; else records its
-    /// blocks until it ends.
+    /// blocks until it ends. Skipped pages claim nothing: concurrent
+    /// restores over one shared local prefix all name block 0 there.
     fn claim_blocks(&mut self, job: &Job) -> Result<()> {
-        let blocks: Vec<u64> = job.block_ids.iter().flatten().copied().collect();
+        let blocks: Vec<u64> = Self::touched(job).collect();
         let writes = job.direction == Direction::Retrieve;
         let clash = blocks
             .iter()
@@ -350,11 +362,11 @@ impl Queue {
         } else {
             &mut self.reading
         };
-        for b in job.block_ids.iter().flatten() {
-            if let Some(n) = map.get_mut(b) {
+        for b in Self::touched(job) {
+            if let Some(n) = map.get_mut(&b) {
                 *n -= 1;
                 if *n == 0 {
-                    map.remove(b);
+                    map.remove(&b);
                 }
             }
         }
