@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from .errors import InvalidInput, UnsafeCopy
+from .errors import CheckpointError, InvalidInput, UnsafeCopy
 
 __all__ = [
     "DEFAULT_COPY_WORKERS",
@@ -425,6 +425,9 @@ class CheckpointWorker:
             future = self._engine.submit(
                 manifest, self.rank, direction, block_ids, producer_event=producer_event
             )
+        except CheckpointError as e:  # refused with a reason: one line, no traceback
+            log.warning("checkpoint task %s refused (%s); it is reported False", task_id, e)
+            future = None
         except Exception:
             log.exception("submitting checkpoint task %s failed; it is reported False", task_id)
             future = None

@@ -230,6 +230,9 @@ class EngineSpec:
     """vLLM's ``--prefix-cache-retention-interval``: which Mamba boundary states
     it keeps (0: only semantic ones, N: also every N tokens, None: every block)."""
     connector: bool = True
+    log_stats: bool = False
+    """vLLM's statistics (``--disable-log-stats`` off): every step's
+    ``SchedulerStats`` is kept in :attr:`Engine.scheduler_stats`."""
     failure_policy: str = "recompute"
     kv_events_endpoint: str | None = None
     """vLLM's ``kv_events_config`` with the ZMQ publisher on this endpoint
@@ -656,8 +659,10 @@ class Engine:
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=self.plan.block_size,
             hash_block_size=self.plan.hash_block_size,
+            log_stats=spec.log_stats,
         )
         self.connector = self.scheduler.connector
+        self.scheduler_stats: list[Any] = []
         self.aggregator = (
             KVOutputAggregator.from_connector(self.connector, spec.world_size)
             if self.connector is not None and spec.world_size > 1
@@ -720,6 +725,8 @@ class Engine:
     def _update(self, out: Any, merged: Any) -> None:
         engine_outputs = self.scheduler.update_from_output(out, merged)
         for outs in engine_outputs.values():
+            if outs.scheduler_stats is not None:
+                self.scheduler_stats.append(outs.scheduler_stats)
             for o in outs.outputs:
                 self.outputs[o.request_id].extend(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -596,3 +596,80 @@ def test_a_slow_shared_tier_restores_long_prefixes_and_recomputes_short_ones(
             e.shutdown()
         host_a.stop()
         host_b.stop()
+
+
+def test_a_next_turn_sent_before_the_answer_is_published_restores_that_answer(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    """A client sends the next turn the moment the answer is out, while the
+    answer's checkpoint is still being stored (its BEGIN in flight, its copy
+    not yet run). The lookup waits for that store of this engine and restores
+    the answer's state, never an older checkpoint that a FIND sent before the
+    publication would find."""
+    prompt = tokens(45, 70)
+    a = make_engine(idle_flush=0)  # nothing moves between steps: the race is certain
+    a.add("t1", prompt, 6)
+    a.step_until(lambda: "t1" in a.finished)
+    assert not _listed(sidecar, 75, 0.2), "the answer is published before the next step"
+    turn2 = prompt + a.finished["t1"].output + tokens(46, 9)
+    a.add("t2", turn2, 4)
+    a.run()
+    assert a.finished["t2"].output == ToyModel.reference(turn2, 4)
+    c = counters(a)
+    assert c.get("lookup_waits_own_store") == 1, c
+    assert c.get("lookup_found_own_store") == 1, c
+    # the answer's state (75 tokens) served the prompt: 64 from vLLM's own
+    # cache (whole blocks), the rest, with the recurrent state, restored
+    assert a.prompt_from_cache("t2") == 70 + 6 - 1
+    assert restored(a) == 75 - 64
+
+
+def test_the_connectors_counters_reach_vllms_statistics(make_engine: EngineFactory) -> None:
+    """With vLLM's statistics on, every step's ``SchedulerStats`` carries what
+    the connector counted in that step (vLLM's connector-stats path, which the
+    API server logs and exports); rebuilt by the connector class as the API
+    server does and added up, they equal the connector's own counters."""
+    from lmcache_rc.connector import LMCacheRecurrentCheckpointConnector as Connector
+
+    a = make_engine(log_stats=True)
+    prompt = tokens(47, 70)
+    out = a.generate("t1", prompt, 6)
+    b = make_engine(log_stats=True)
+    b.generate("t2", prompt + out + tokens(48, 5), 3)
+    for engine in (a, b):
+        engine.run()
+        payloads = [s.kv_connector_stats for s in engine.scheduler_stats if s.kv_connector_stats]
+        assert payloads, "no step carried the connector's statistics"
+        total = Connector.build_kv_connector_stats(dict(payloads[0]))
+        for payload in payloads[1:]:
+            total = total.aggregate(Connector.build_kv_connector_stats(dict(payload)))
+        assert total.counters == {k: v for k, v in counters(engine).items() if v}
+        assert total.gauges["sidecar_connected"] == 1.0
+        assert total.gauges["pinned_blocks"] == 0.0 and total.gauges["tasks_store"] == 0.0
+    assert counters(b)["restores_done"] == 1
+
+
+@pytest.mark.parametrize("wait", [0.5, 0.0])
+def test_a_lookup_answered_within_lookup_wait_restores_a_step_sooner(
+    make_engine: EngineFactory, wait: float
+) -> None:
+    """A FIND the sidecar answers within the step's ``lookup_wait`` is
+    offered to vLLM in the same ``schedule()``: the restore starts a step
+    sooner. With ``lookup_wait`` 0 the answer is taken at the next step
+    (same result, one step later)."""
+    prompt = tokens(49, 70)
+    a = make_engine()
+    out = a.generate("a", prompt, 6)
+    b = make_engine(lookup_wait=wait)
+    b.add("b", prompt, 6)
+    # the first step negotiates the ranks' layouts; the lookup goes out in the next
+    b.step_until(lambda: counters(b).get("lookups", 0) == 1)
+    c = counters(b)
+    if wait:
+        assert c.get("lookups_answered_in_step") == 1, c
+        assert c.get("restores_started") == 1, "offered and allocated in the same step"
+    else:
+        assert c.get("restores_started", 0) == 0, c
+    b.run()
+    assert b.finished["b"].output == out
+    assert restored(b) == 64

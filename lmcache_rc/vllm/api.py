@@ -49,7 +49,9 @@ __all__ = [
     "KVConnectorBlockState",
     "KVConnectorMetadata",
     "KVConnectorOutput",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
+    "KVConnectorStats",
     "KVConnectorWorkerMetadata",
     "KVTransferConfig",
     "ModelConfig",
@@ -310,6 +312,48 @@ except ImportError:
             self, request: Any, block_ids: tuple[list[int], ...]
         ) -> tuple[bool, dict[str, Any] | None]:
             """Called once per finished request for all KV groups, before blocks are freed."""
+
+
+# --------------------------------------------------------------------------- connector statistics
+
+try:  # pragma: no cover - exercised only where vLLM is installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore[import-not-found, unused-ignore]
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+except ImportError:
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """Stand-in for vLLM's connector statistics base: a ``data`` dict that
+        travels from the engine to the API server's loggers, folded with
+        ``aggregate`` and summarised with ``reduce``."""
+
+        data: dict[str, Any] = field(default_factory=dict)
+
+        def to_dict(self) -> dict[str, Any]:
+            """The serialisable payload."""
+            return self.data
+
+    class KVConnectorPromMetrics:  # type: ignore[no-redef]
+        """Stand-in for vLLM's per-connector Prometheus metrics base: keeps
+        the metric classes vLLM hands over and the engines' label values."""
+
+        def __init__(
+            self,
+            vllm_config: Any,
+            metric_types: dict[type[Any], type[Any]],
+            labelnames: list[str],
+            per_engine_labelvalues: dict[int, list[object]],
+        ) -> None:
+            from prometheus_client import Counter, Gauge, Histogram
+
+            self._kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+            self._gauge_cls = metric_types[Gauge]
+            self._counter_cls = metric_types[Counter]
+            self._histogram_cls = metric_types[Histogram]
+            self._labelnames = labelnames
+            self.per_engine_labelvalues = per_engine_labelvalues
 
 
 # --------------------------------------------------------------------------- configuration
@@ -868,6 +912,10 @@ class CheckpointEngineTask:
     """Non-empty: the scheduler already knows this task cannot run (e.g. vLLM
     allocated a null block for a restored page); ranks report it failed
     without copying."""
+    final: bool = False
+    """Upstream-mode stores: the source bytes were final before this step (a
+    finished request's response state, pinned so nothing writes its blocks):
+    ranks copy at once instead of after the step's forward."""
 
     def __post_init__(self) -> None:
         if self.direction not in ("STORE", "RETRIEVE"):

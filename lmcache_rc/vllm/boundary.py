@@ -55,7 +55,7 @@ from lmcache_rc.vllm.common import (
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import OPTION_DEFAULTS
 from lmcache_rc.vllm.restore_cost import SkipRule
-from lmcache_rc.vllm.sidecar import SidecarClient
+from lmcache_rc.vllm.sidecar import SidecarClient, SidecarDown
 
 __all__ = ["CheckpointSchedulerBridge"]
 
@@ -500,6 +500,10 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         try:
             manifest, block_ids = self._build_store(request, pinned)
             future = self._client.begin_async(manifest)
+        except SidecarDown:  # the outage is logged once, not per request
+            self._cache.release(pinned)
+            self._counters["store_skipped_sidecar_down"] += 1
+            return False
         except Exception as e:
             logger.warning("checkpoint store for %s not started: %s", request.request_id, e)
             self._cache.release(pinned)

@@ -34,7 +34,7 @@ from lmcache_rc import errors
 from lmcache_rc.vllm.api import CheckpointEngineTask, Direction
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata, CheckpointWorkerMetadata
 from lmcache_rc.vllm.restore_cost import PrefillMeter, SkipRule, TierLoad
-from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarFuture
+from lmcache_rc.vllm.sidecar import NonBlockingSidecar, SidecarClient, SidecarDown, SidecarFuture
 
 __all__ = [
     "CopyTask",
@@ -65,6 +65,10 @@ class RestorePhase(enum.StrEnum):
     """Upstream: a usable checkpoint was found and offered to vLLM."""
     WAITING = "waiting-capacity"
     """Boundary: a manifest was chosen; the allocator had no room yet."""
+    WAITING_STORE = "waiting-store"
+    """Upstream: this engine is storing a longer checkpoint of the request's
+    prefix (the previous turn's answer, say); the lookup waits until it is
+    published or dropped."""
     RESTORING = "restoring"
     """A RETRIEVE task owns the destination blocks."""
     PUBLISHED = "published"
@@ -176,6 +180,11 @@ class SchedulerSide:
     def report_status(self) -> dict[str, Any]:
         """Nothing to report beyond the connector's own fields."""
         return {}
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Cumulative counters and current gauges, cheap enough for every
+        step (vLLM's connector-stats path, :mod:`lmcache_rc.vllm.stats`)."""
+        return {}, {}
 
     def html(self) -> str | None:
         """An HTML table of :meth:`report_status`, or None (the connector shows JSON)."""
@@ -428,7 +437,10 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
                 lookup.future = self._client.find_located_async(lookup.query)
             else:
                 lookup.future = self._client.find_async(roots())
-        except Exception as e:  # the sidecar is down or the request cannot be keyed
+        except SidecarDown:  # the outage is logged once, not per request
+            self._finish_lookup(lookup, "sidecar-down")
+            return False
+        except Exception as e:  # the request cannot be keyed
             logger.warning("checkpoint lookup for %s failed to start: %s", lookup.request_id, e)
             self._finish_lookup(lookup, "find-error")
             return False
@@ -559,6 +571,11 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
                 continue
             try:
                 accepted = bool(pb.future.result(0))
+            except errors.Unavailable as e:  # the connection went: the outage is logged once
+                logger.debug("BEGIN of %s failed: %s", task.manifest.generation, e)
+                self._abort(task.manifest.generation)
+                self._drop_store(task, "store_skipped_sidecar_down")
+                continue
             except Exception as e:
                 logger.warning("BEGIN of %s failed: %s", task.manifest.generation, e)
                 self._abort(task.manifest.generation)
@@ -664,6 +681,18 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
             return True
         return bool(self._tasks or self._begins)
 
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Cumulative counters, and gauges: copy tasks outstanding by
+        direction, BEGINs unanswered, whether the sidecar is reachable."""
+        stores = sum(1 for t in self._tasks.values() if t.direction == "STORE")
+        gauges = {
+            "tasks_store": float(stores),
+            "tasks_restore": float(len(self._tasks) - stores),
+            "begins_pending": float(len(self._begins)),
+            "sidecar_connected": 1.0 if self._client.available else 0.0,
+        }
+        return dict(self._counters), gauges
+
     def _status(self, lookups: Iterable[Lookup]) -> dict[str, Any]:
         """The part of a status both modes report."""
         phases = Counter(str(lookup.phase) for lookup in lookups)
@@ -744,6 +773,9 @@ def poll_find(
         return "find-timeout", None
     try:
         found = future.result(0)
+    except errors.Unavailable as e:  # the connection went: the outage is logged once
+        logger.debug("checkpoint lookup for %s failed: %s", request_id, e)
+        return "sidecar-down", None
     except Exception as e:
         logger.warning("checkpoint lookup for %s failed: %s", request_id, e)
         return "find-error", None

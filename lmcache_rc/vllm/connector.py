@@ -82,6 +82,7 @@ from lmcache_rc.vllm.options import (
 )
 from lmcache_rc.vllm.restore_cost import SkipRule
 from lmcache_rc.vllm.sidecar import SidecarClient, connect
+from lmcache_rc.vllm.stats import CheckpointConnectorStats, CheckpointPromMetrics, StatsFeed
 from lmcache_rc.vllm.support import refusal
 from lmcache_rc.vllm.upstream import UpstreamScheduler
 from lmcache_rc.vllm.worker import UpstreamWorkerSide, WorkerHooks, WorkerSide
@@ -207,6 +208,8 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         # when vLLM binds its cache (bind_kv_cache_manager,
         # bind_boundary_checkpoint_cache), a rank's here. Until then, and when
         # disabled, each is the side with nothing to do.
+        self._stats_feed = StatsFeed()
+        self._stats_failed = False
         self._scheduler: SchedulerSide = SchedulerSide()
         self._worker_side: WorkerHooks = WorkerHooks()
         if self._mode is None and VLLM_AVAILABLE:
@@ -280,9 +283,12 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         return False
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any | None:
-        """No vLLM-side transfer statistics (the sidecar exports ``/metrics``)."""
-        return None
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> CheckpointConnectorStats | None:
+        """The connector's counters as the API server rebuilds them from a
+        step's stats payload (:mod:`lmcache_rc.vllm.stats`)."""
+        return CheckpointConnectorStats(data)
 
     @classmethod
     def build_prom_metrics(
@@ -291,9 +297,10 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         metric_types: dict[type[Any], type[Any]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any | None:
-        """None: the sidecar exports the metrics (``GET /metrics``)."""
-        return None
+    ) -> CheckpointPromMetrics | None:
+        """The connector's series in the API server's ``/metrics``
+        (``vllm:lmcache_rc_events_total``, ``vllm:lmcache_rc_state``)."""
+        return CheckpointPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @property
     def options(self) -> ConnectorOptions:
@@ -615,9 +622,22 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         ``kv_events_config`` enabled; otherwise none, at no cost."""
         return self._scheduler.take_events()
 
-    def get_kv_connector_stats(self) -> Any | None:
-        """No vLLM stats object (see :meth:`report_status`)."""
-        return None
+    @_serialized
+    def get_kv_connector_stats(self) -> CheckpointConnectorStats | None:
+        """Scheduler (after every step): what the connector counted since the
+        last call and its gauges, or None when nothing changed; vLLM logs
+        them (``KV Transfer metrics: …``) and exports them in ``/metrics``.
+        Worker ranks report none. Never raises into vLLM's step."""
+        if not self._is_scheduler:
+            return None
+        try:
+            counters, gauges = self._scheduler.stats()
+            return self._stats_feed.take(counters, gauges)
+        except Exception:
+            if not self._stats_failed:
+                self._stats_failed = True
+                logger.exception("lmcache-rc: connector statistics failed; none are reported")
+            return None
 
     def get_kv_connector_kv_cache_events(self) -> Any | None:
         """No KV cache events."""

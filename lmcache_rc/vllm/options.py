@@ -226,6 +226,16 @@ OPTIONS: tuple[Option, ...] = (
         "how long a request waits for the directory's answer before it recomputes",
     ),
     Option(
+        "lookup_wait",
+        "seconds",
+        0.002,
+        "how long, in all, the scheduler waits within one engine step for lookup answers "
+        "before it moves on (an answer in time saves the request an engine step; a later "
+        "one is taken at the next step)",
+        zero="never wait",
+        boundary="upstream mode only",
+    ),
+    Option(
         "begin_timeout",
         "seconds",
         60.0,
@@ -413,6 +423,7 @@ class ConnectorOptions:
     store_prompt: str = _default("store_prompt")
     store_response: bool = _default("store_response")
     lookup_timeout: float = _default("lookup_timeout")
+    lookup_wait: float = _default("lookup_wait")
     begin_timeout: float = _default("begin_timeout")
     rpc_timeout: float = _default("rpc_timeout")
     connect_timeout: float = _default("connect_timeout")

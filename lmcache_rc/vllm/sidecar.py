@@ -22,9 +22,14 @@ from typing import Any, Protocol
 
 import lmcache_rc as rc
 
-__all__ = ["NonBlockingSidecar", "SidecarClient", "SidecarFuture", "connect"]
+__all__ = ["NonBlockingSidecar", "SidecarClient", "SidecarDown", "SidecarFuture", "connect"]
 
 logger = logging.getLogger(__name__)
+
+
+class SidecarDown(rc.errors.Unavailable):
+    """A call refused at once because the connection is down (the outage is
+    logged once by :class:`NonBlockingSidecar`; callers count it, quietly)."""
 
 
 class SidecarFuture(Protocol):
@@ -87,12 +92,41 @@ class NonBlockingSidecar:
         self._reconnecting = False
         self._last_attempt = float("-inf")
         self._aborts: deque[str] = deque(maxlen=4096)
+        self._down_since: float | None = None
+        self._refused = 0
+        """Calls refused at once during the current outage."""
+        self.outages = 0
+        """Times the connection was found down (each logged once)."""
+
+    @property
+    def available(self) -> bool:
+        """Whether calls go to the sidecar now (False during an outage)."""
+        connected = getattr(self._client, "connected", None)
+        return connected is None or bool(connected)
 
     def _live(self) -> bool:
-        connected = getattr(self._client, "connected", None)
-        if connected is None or connected:
+        if self.available:
+            if self._down_since is not None:
+                down = time.monotonic() - self._down_since
+                logger.warning(
+                    "lmcache-rc: the sidecar is reachable again after %.1f s (%d lookups and "
+                    "stores were served without it meanwhile)",
+                    down,
+                    self._refused,
+                )
+                self._down_since = None
             self._flush_aborts()
             return True
+        if self._down_since is None:
+            # one line per outage: requests go on, recomputed, and are not logged each
+            self._down_since = time.monotonic()
+            self._refused = 0
+            self.outages += 1
+            logger.warning(
+                "lmcache-rc: lost the connection to the sidecar; requests are served without "
+                "it (recomputed, nothing stored) while it reconnects in the background"
+            )
+        self._refused += 1
         self._start_reconnect()
         return False
 
@@ -109,9 +143,9 @@ class NonBlockingSidecar:
         try:
             # Any blocking call connects; capabilities is the cheapest.
             self._client.capabilities()  # type: ignore[attr-defined]
-            logger.info("reconnected to the lmcache-rc sidecar")
-        except Exception as e:
-            logger.info("the lmcache-rc sidecar is still unreachable: %s", e)
+            logger.debug("reconnected to the lmcache-rc sidecar")
+        except Exception as e:  # the outage was logged once; attempts are not
+            logger.debug("the lmcache-rc sidecar is still unreachable: %s", e)
         finally:
             with self._lock:
                 self._reconnecting = False
@@ -124,8 +158,8 @@ class NonBlockingSidecar:
             except Exception as e:  # the sidecar drops abandoned pending generations itself
                 logger.warning("queued ABORT of %s could not be sent: %s", generation, e)
 
-    def _down(self, what: str) -> rc.errors.Unavailable:
-        return rc.errors.Unavailable(
+    def _down(self, what: str) -> SidecarDown:
+        return SidecarDown(
             f"{what}: no live connection to the lmcache-rc sidecar (reconnecting in the background)"
         )
 

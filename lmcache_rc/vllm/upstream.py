@@ -30,7 +30,8 @@ What it owns (:class:`UpstreamScheduler`):
   aborts it.
 
 What it must never do: block the scheduler thread on the sidecar (every
-RPC is an ``*_async`` future polled once per step), offer vLLM a hit it
+RPC is an ``*_async`` future polled once per step; lookups may wait for
+their answer at most ``lookup_wait`` in all per step), offer vLLM a hit it
 cannot load, release a pinned block before every rank reported, or handle a
 LoRA, multimodal or embedding request (I3).
 """
@@ -71,7 +72,7 @@ from lmcache_rc.vllm.layout import LAYOUT_FORMAT, group_name
 from lmcache_rc.vllm.metadata import CheckpointConnectorMetadata
 from lmcache_rc.vllm.options import ConnectorOptions
 from lmcache_rc.vllm.restore_cost import SkipRule
-from lmcache_rc.vllm.sidecar import SidecarClient
+from lmcache_rc.vllm.sidecar import SidecarClient, SidecarDown
 
 __all__ = ["GroupInfo", "UpstreamScheduler", "cdiv"]
 
@@ -115,6 +116,8 @@ class _Restore(Lookup):
     limit: int = 0
     """Checkpoints of at most this many tokens are looked up."""
     restored: int = 0
+    awaited: _Task | None = None
+    """While waiting for a store of this engine: that store."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -130,6 +133,8 @@ class _Task(CopyTask):
     hand-over to local ranks waits until every rank finished that forward."""
     keys: CheckpointKeys | None = None
     """The checkpoint as routers see it (only with KV events on)."""
+    committed: bool | None = None
+    """A store's outcome once it ended: published (True) or dropped (False)."""
 
     def engine_task(self) -> CheckpointEngineTask:
         return CheckpointEngineTask(
@@ -139,6 +144,8 @@ class _Task(CopyTask):
             block_ids=self.block_ids,
             request_id=self.request_id if self.direction == "RETRIEVE" else "",
             error=self.error,
+            # a finished request's state: no forward writes its pinned blocks
+            final=self.direction == "STORE" and self.kind == "response",
         )
 
 
@@ -198,6 +205,8 @@ class UpstreamScheduler(TaskBook[_Task]):
         self._off_thread = False
         """True during a hand-over: vLLM's block pool must not be touched."""
         self._deferred_unpins: list[int] = []
+        self._wait_left = options.lookup_wait
+        """Seconds this step's lookups may still wait for answers (``lookup_wait``)."""
         # KV events for routers (docs/vllm.md §A.9): only when vLLM publishes them.
         self._hasher = router_hasher
         self._events: RouterEvents | None = None
@@ -317,7 +326,18 @@ class UpstreamScheduler(TaskBook[_Task]):
         if restore is None:
             restore = _Restore(rid, RestorePhase.DONE, limit=int(request.num_tokens) - 1)
             self._restores[rid] = restore
+            awaited = self._own_store_ahead(request, restore.limit, num_computed_tokens)
+            if awaited is not None:
+                # the previous turn's answer is being stored right now: a FIND
+                # sent before its publication would restore an older checkpoint
+                restore.phase = RestorePhase.WAITING_STORE
+                restore.awaited = awaited
+                restore.started = self._clock()
+                self._counters["lookup_waits_own_store"] += 1
+                return None, False
             return self._find(request, restore, num_computed_tokens)
+        if restore.phase is RestorePhase.WAITING_STORE:
+            return self._await_store(request, restore, num_computed_tokens)
         if restore.phase is RestorePhase.FINDING:
             return self._advance_find(request, restore, num_computed_tokens)
         if restore.phase is RestorePhase.FOUND:
@@ -325,6 +345,59 @@ class UpstreamScheduler(TaskBook[_Task]):
         if restore.phase is RestorePhase.RETRY:
             return self._find(request, restore, num_computed_tokens)
         return 0, False
+
+    def _own_store_ahead(self, request: Request, limit: int, num_computed: int) -> _Task | None:
+        """The longest store of this engine not published yet that holds a
+        checkpoint of ``request``'s exact prefix of at most ``limit`` tokens,
+        beyond its local hit, or None: a FIND now would miss it (the next
+        turn of a conversation arrives as soon as the previous answer is out,
+        while that answer's checkpoint is still being copied)."""
+        pending = [pb.task for pb in self._begins]
+        pending += [t for t in self._tasks.values() if t.direction == "STORE"]
+        if not pending:
+            return None
+        namespace = self._negotiation.namespace(request.cache_salt)
+        tokens: Sequence[int] | None = None
+        best: _Task | None = None
+        for task in pending:
+            prefix = task.manifest.prefix
+            n = int(prefix.num_tokens)
+            if not num_computed < n <= limit or prefix.namespace != namespace:
+                continue
+            if best is not None and n <= best.manifest.prefix.num_tokens:
+                continue
+            if tokens is None:
+                tokens = list(request.all_token_ids)
+            if tuple(tokens[prefix.start_tokens : n]) != prefix.tail_tokens:
+                continue  # cheap: most candidates part in their last chunk
+            if self._roots(request, n).prefix(n) == prefix:
+                best = task
+        return best
+
+    def _await_store(
+        self, request: Request, restore: _Restore, num_computed: int
+    ) -> tuple[int | None, bool]:
+        """``WAITING_STORE``: once the awaited store is published its
+        manifest is offered at once (it is what a FIND would answer, without
+        the round trip); dropped, or waited on past ``lookup_timeout``, the
+        lookup goes on with a FIND."""
+        task = restore.awaited
+        assert task is not None
+        waited = self._clock() - restore.started
+        if task.committed is None:
+            if waited < self._lookup_timeout:
+                return None, False
+            self._counters["lookup_own_store_timeout"] += 1
+        restore.awaited = None
+        self._counters["lookup_own_store_wait_ms"] += round(waited * 1000)
+        if task.committed and self._usable(request, task.manifest, restore.limit):
+            restore.manifest = task.manifest
+            restore.num_tokens = int(task.manifest.prefix.num_tokens)
+            restore.tiers = None  # just published from L1: never slower than recomputing
+            restore.phase = RestorePhase.FOUND
+            self._counters["lookup_found_own_store"] += 1
+            return self._offer(restore, num_computed)
+        return self._find(request, restore, num_computed)
 
     def _finish(self, restore: _Restore, reason: str) -> tuple[int, bool]:
         """Ends a lookup without a restore: ``(0, False)``."""
@@ -334,12 +407,34 @@ class UpstreamScheduler(TaskBook[_Task]):
     def _find(
         self, request: Request, restore: _Restore, num_computed: int
     ) -> tuple[int | None, bool]:
-        """Sends a FIND for checkpoints of at most ``restore.limit`` tokens."""
+        """Sends a FIND for checkpoints of at most ``restore.limit`` tokens;
+        an answer that comes within what is left of this step's
+        ``lookup_wait`` is taken at once (the request is not put off a step)."""
         if restore.limit <= num_computed:
             return self._finish(restore, "local-hit")
         if self._send_find(restore, lambda: self._roots(request, restore.limit).roots):
+            if self._wait_briefly(restore):
+                return self._advance_find(request, restore, num_computed)
             return None, False
         return 0, False
+
+    def _wait_briefly(self, restore: _Restore) -> bool:
+        """Waits for the FIND in flight up to the step's remaining
+        ``lookup_wait`` (the GIL released); whether it is answered. The
+        budget is per step, so a burst of new requests or a sidecar that does
+        not answer costs the scheduler at most ``lookup_wait`` a step."""
+        future = restore.future
+        if future is None or self._wait_left <= 0:
+            return future is not None and future.done()
+        started = time.monotonic()
+        try:
+            future.result(self._wait_left)
+        except Exception:  # a timeout stays pending; an error is taken by the poll
+            pass
+        self._wait_left -= time.monotonic() - started
+        answered = future.done()
+        self._counters["lookups_answered_in_step" if answered else "lookups_answered_later"] += 1
+        return answered
 
     def _advance_find(
         self, request: Request, restore: _Restore, num_computed: int
@@ -483,6 +578,9 @@ class UpstreamScheduler(TaskBook[_Task]):
         )
         try:
             future = self._client.begin_async(manifest)
+        except SidecarDown:  # the outage is logged once, not per request
+            self._drop_store(task, "store_skipped_sidecar_down")
+            return False
         except Exception as e:
             logger.warning("checkpoint store for %s not started: %s", request.request_id, e)
             self._drop_store(task, "store_begin_failed")
@@ -597,6 +695,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         self._unpin(task)
 
     def _drop_store(self, task: _Task, counter: str) -> None:
+        task.committed = False
         if counter == "store_suppressed" and self._events is not None:
             # an identical checkpoint is listed (or pending): routers may learn it
             self._events.learned(task.manifest.generation, task.keys)
@@ -671,6 +770,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             )
         self._release_deferred()
         self._step += 1
+        self._wait_left = self._options.lookup_wait  # the next step's lookups may wait again
         self._step_scheduled(scheduler_output)
         self._negotiation.settled()
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
@@ -700,6 +800,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         if ok and self._events is not None:
             self._events.learned(task.manifest.generation, task.keys)
         if task.direction == "STORE":
+            task.committed = ok
             if ok:
                 self._counters[f"stores_committed_{task.kind}"] += 1
             else:
@@ -762,6 +863,22 @@ class UpstreamScheduler(TaskBook[_Task]):
                 sorted({**status["counters"], **self._events.counters}.items())
             )
         return status
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """:meth:`TaskBook.stats`, with the KV-event counters, blocks pinned
+        in vLLM's pool, lookups in flight and requests known."""
+        counters, gauges = super().stats()
+        if self._events is not None:
+            counters.update(self._events.counters)
+        gauges["pinned_blocks"] = float(
+            sum(len(t.pins) for t in self._tasks.values())
+            + sum(len(pb.task.pins) for pb in self._begins)
+        )
+        gauges["lookups_pending"] = float(
+            sum(1 for r in self._restores.values() if r.phase is RestorePhase.FINDING)
+        )
+        gauges["requests"] = float(len(self._requests))
+        return counters, gauges
 
     def html(self) -> str:
         """:meth:`report_status` as an HTML table."""

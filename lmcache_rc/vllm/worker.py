@@ -339,8 +339,8 @@ class WorkerSide(WorkerHooks):
             self._see(task)
             if task.request_id and task.direction == "RETRIEVE":
                 self._loads[task.task_id] = task.request_id
-            if self.stores_later and task.direction == "STORE":
-                self._stores.append(task)
+            if self.stores_later and task.direction == "STORE" and not task.final:
+                self._stores.append(task)  # written by this step's forward
                 continue
             self._submit(task)
 
