@@ -13,7 +13,7 @@ fi
 source .venv/bin/activate
 export PYO3_PYTHON="$ROOT/.venv/bin/python"
 stamp=.venv/.lmcache-rc-tools
-want="maturin>=1.7,<2 pytest>=8 hypothesis>=6.100 prometheus-client>=0.20 ruff>=0.6 mypy>=1.11 numpy>=2.0 nbconvert>=7 nbclient>=0.10 nbformat>=5.10 ipykernel>=6.29 matplotlib>=3.8"
+want="maturin>=1.7,<2 pytest>=8 hypothesis>=6.100 prometheus-client>=0.20 ruff>=0.6 mypy>=1.11 numpy>=2.0 nbconvert>=7 nbclient>=0.10 nbformat>=5.10 ipykernel>=6.29 matplotlib>=3.8 aiohttp>=3.9"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "== installing tools: $want"
   python -m pip install -q --upgrade pip

@@ -25,6 +25,10 @@ Sub-commands:
   it against embedded sidecars and compare eviction policies by tokens
   restored, prefill compute saved and bytes written (see
   :mod:`lmcache_rc.trace`).
+- ``serve-bench --url URL``: a multi-turn load (concurrent conversations that
+  share system prompts) against an OpenAI-compatible vLLM server: time to first
+  token, prefill tokens computed, hit rate and throughput (see
+  :mod:`lmcache_rc.serving`).
 - ``restore-skip [--json]``: the skip rule on a shared tier with an
   injected 50 ms latency: short prefixes recomputed, long ones restored,
   with the estimates, decisions and counts (see :mod:`lmcache_rc.restore_skip`).
@@ -428,6 +432,35 @@ def _cmd_trace_replay(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_serve_bench(args: argparse.Namespace) -> int:
+    from lmcache_rc import serving
+
+    vocab = serving.parse_range(args.vocab, "--vocab")
+    workload = serving.Workload(
+        users=args.users,
+        conversations=args.conversations,
+        duration=args.duration,
+        turns=serving.parse_range(args.turns, "--turns"),
+        system_prompts=args.system_prompts,
+        system_tokens=serving.parse_range(args.system_tokens, "--system-tokens"),
+        user_tokens=serving.parse_range(args.user_tokens, "--user-tokens"),
+        max_tokens=args.max_tokens,
+        stream=args.stream,
+        abort=args.abort,
+        vocab=(vocab[0], vocab[1] + 1),
+        seed=args.seed,
+        think=args.think,
+    )
+    return serving.main(
+        args.url,
+        workload,
+        model=args.model,
+        as_json=args.json,
+        records=args.records,
+        long_prompt=args.long_prompt,
+    )
+
+
 def _cmd_restore_skip(args: argparse.Namespace) -> int:
     from lmcache_rc.restore_skip import main as skip_main
 
@@ -602,6 +635,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep_p.add_argument("--json", action="store_true", help="print one JSON object")
     rep_p.set_defaults(func=_cmd_trace_replay)
+    sb = sub.add_parser(
+        "serve-bench",
+        help="multi-turn load against an OpenAI-compatible vLLM server: time to first "
+        "token, prefill tokens computed, hit rate, throughput",
+    )
+    sb.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    sb.add_argument("--model", help="model name to ask for (default: the first it lists)")
+    sb.add_argument("--users", type=int, default=8, help="concurrent conversations (default 8)")
+    sb.add_argument(
+        "--conversations", type=int, default=16, help="conversations in all (default 16)"
+    )
+    sb.add_argument(
+        "--duration", type=float, help="seconds to keep starting turns (instead of a count)"
+    )
+    sb.add_argument("--turns", default="4-6", help="turns per conversation (default 4-6)")
+    sb.add_argument("--system-prompts", type=int, default=2, help="shared system prompts (2)")
+    sb.add_argument(
+        "--system-tokens", default="1024-2048", help="tokens of a system prompt (1024-2048)"
+    )
+    sb.add_argument("--user-tokens", default="32-128", help="tokens a turn adds (32-128)")
+    sb.add_argument("--max-tokens", type=int, default=32, help="output tokens per turn (32)")
+    sb.add_argument(
+        "--stream",
+        type=float,
+        default=1.0,
+        help="fraction of turns streamed; time to first token is measured on those (1.0)",
+    )
+    sb.add_argument(
+        "--abort", type=float, default=0.0, help="fraction of streams the client abandons (0)"
+    )
+    sb.add_argument(
+        "--vocab",
+        default="10-29999",
+        help="token ids are drawn from this range; keep it inside the model's vocabulary "
+        "(default 10-29999)",
+    )
+    sb.add_argument("--seed", type=int, default=0, help="random seed of the prompts (0)")
+    sb.add_argument("--think", type=float, default=0.0, help="seconds between a user's turns (0)")
+    sb.add_argument(
+        "--long-prompt",
+        type=int,
+        default=2048,
+        help="later turns with at least this many prompt tokens get a row of their own (2048)",
+    )
+    sb.add_argument("--records", metavar="FILE", help="also write one JSON line per request")
+    sb.add_argument("--json", action="store_true", help="print one JSON object")
+    sb.set_defaults(func=_cmd_serve_bench)
+
     skip = sub.add_parser(
         "restore-skip",
         help="show the skip rule: on a shared tier with 50 ms injected latency, short "
