@@ -117,7 +117,8 @@ class TurnRecord:
     turn: int
     """1 for a conversation's first turn."""
     system: int
-    """Which system prompt the conversation began with."""
+    """Which system prompt the conversation began with (-1: it carried on a
+    given history)."""
     prompt: list[int]
     streamed: bool
     started: float
@@ -206,10 +207,20 @@ def server_model(url: str, timeout: float = 10.0) -> str:
 class _Conversation:
     """One conversation's prompt as it grows."""
 
-    def __init__(self, rng: random.Random, workload: Workload, systems: list[list[int]]) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        workload: Workload,
+        systems: list[list[int]],
+        history: Sequence[int] | None = None,
+    ) -> None:
         self.system = rng.randrange(len(systems))
         self.turns = rng.randint(*workload.turns)
-        self.history: list[int] = list(systems[self.system])
+        if history is not None:  # a conversation carried on from an earlier run
+            self.system = -1
+            self.history: list[int] = list(history)
+        else:
+            self.history = list(systems[self.system])
         self._rng = rng
         self._workload = workload
 
@@ -242,7 +253,11 @@ class _Load:
         workload: Workload,
         stop: threading.Event | None,
         on_record: Callable[[TurnRecord], None] | None,
+        histories: Sequence[Sequence[int]] | None = None,
+        first_turn: int = 1,
     ) -> None:
+        self.histories = None if histories is None else [list(h) for h in histories]
+        self.first_turn = first_turn
         self.url = url.rstrip("/") + "/v1/completions"
         self.model = model
         self.w = workload
@@ -268,6 +283,8 @@ class _Load:
         """Whether a user starts another conversation."""
         if self._expired():
             return False
+        if self.histories is not None:
+            return self.next_conversation < len(self.histories)
         return self.w.duration is not None or self.next_conversation < self.w.conversations
 
     def _record(self, rec: TurnRecord) -> None:
@@ -289,9 +306,10 @@ class _Load:
             number = self.next_conversation
             self.next_conversation += 1
             rng = random.Random(f"{self.w.seed}/{number}")
-            conv = _Conversation(rng, self.w, self.systems)
-            for turn in range(1, conv.turns + 1):
-                if turn > 1 and self._expired():
+            history = None if self.histories is None else self.histories[number]
+            conv = _Conversation(rng, self.w, self.systems, history)
+            for turn in range(self.first_turn, self.first_turn + conv.turns):
+                if turn > self.first_turn and self._expired():
                     break  # a counted conversation runs to its end; a timed run stops
                 prompt = conv.user_turn()
                 streamed = rng.random() < self.w.stream
@@ -408,13 +426,19 @@ def run_load(
     model: str | None = None,
     stop: threading.Event | None = None,
     on_record: Callable[[TurnRecord], None] | None = None,
+    histories: Sequence[Sequence[int]] | None = None,
+    first_turn: int = 1,
 ) -> list[TurnRecord]:
     """Runs ``workload`` against the server at ``url`` (its first listed model
     unless ``model``) and returns a record per request, in completion order.
     ``stop`` ends it early (turns in progress finish); ``on_record`` sees each
-    record as it completes (from the load's thread)."""
+    record as it completes (from the load's thread). ``histories`` carries
+    on conversations of an earlier run instead (one per history, numbered in
+    order, their turns numbered from ``first_turn``: after an engine restart,
+    say)."""
     name = model or server_model(url)
-    return asyncio.run(_Load(url, name, workload, stop, on_record).run())
+    load = _Load(url, name, workload, stop, on_record, histories, first_turn)
+    return asyncio.run(load.run())
 
 
 def summarize(records: Sequence[TurnRecord], *, long_prompt: int = 2048) -> dict[str, Any]:

@@ -249,3 +249,14 @@ def test_serve_bench_against_no_server_is_one_line_and_exit_1() -> None:
     assert done.returncode == 1
     assert done.stderr.strip().startswith("lmcache-rc: error: cannot list the models of")
     assert "Traceback" not in done.stderr
+
+
+def test_conversations_carried_on_from_given_histories(server: FakeServer) -> None:
+    histories = [[11, 12, 13], [21, 22, 23, 24]]
+    w = serving.Workload(**{**SMALL.__dict__, "turns": (2, 2)})
+    records = serving.run_load(server.url, w, histories=histories, first_turn=4)
+    assert sorted((r.conversation, r.turn) for r in records) == [(0, 4), (0, 5), (1, 4), (1, 5)]
+    for r in records:
+        assert r.system == -1
+        if r.turn == 4:
+            assert r.prompt[: len(histories[r.conversation])] == histories[r.conversation]
