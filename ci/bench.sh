@@ -34,3 +34,7 @@ python -m lmcache_rc trace replay chat --sessions 100 --sizes 1M:4M
 run_example shared_bench "shared tier (S3, s3s-fs on loopback): upload / verified download vs raw PUT/GET, cross-host lookup" $quick
 echo "== skip rule (lmcache-rc restore-skip): shared tier with 50 ms injected latency, short prefixes recomputed, long ones restored"
 python -m lmcache_rc restore-skip
+if [ -z "$quick" ]; then
+  echo "== serving (vLLM's OpenAI server, CPU build): TTFT and prefill tokens of (c) lmcache-rc vs (a) no prefix caching and (b) vLLM's own (ci/bench-serving.sh)"
+  bash ci/bench-serving.sh
+fi

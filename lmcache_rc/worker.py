@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -383,8 +383,13 @@ class CheckpointWorker:
         self.ledger = TaskLedger() if ledger is None else ledger
         """Each task id once on this rank (shared with the caller's, if given)."""
         self._running: dict[str, _native.TransferFuture] = {}
+        self._directions: dict[str, str] = {}
         self._rejected: list[str] = []
         self._closed = False
+        self.costs: Counter[str] = Counter()
+        """Copies that ended (``copies_store``, ``copies_restore``) and the
+        microseconds they spent per phase (``copy_store_lease_us``, ...;
+        :attr:`_native.TransferFuture.phases`): what copies cost this rank."""
 
     @property
     def engine(self) -> _native.TransferEngine:
@@ -436,6 +441,7 @@ class CheckpointWorker:
                 self._rejected.append(task_id)
                 return False
             self._running[task_id] = future
+            self._directions[task_id] = "store" if direction == "STORE" else "restore"
         return True
 
     def collect(self) -> dict[str, bool]:
@@ -448,9 +454,10 @@ class CheckpointWorker:
             results = {task: False for task in self._rejected}
             self._rejected.clear()
             finished = [t for t, f in self._running.items() if f.done()]
-            futures = [(t, self._running.pop(t)) for t in finished]
+            futures = [(t, self._running.pop(t), self._directions.pop(t, "")) for t in finished]
         unsafe: UnsafeCopy | None = None
-        for task, future in futures:
+        for task, future, direction in futures:
+            self._count_phases(direction, future)
             try:
                 results[task] = future.result()
             except UnsafeCopy as e:
@@ -467,6 +474,17 @@ class CheckpointWorker:
             self._keep_pool_forever()
             raise unsafe
         return results
+
+    def _count_phases(self, direction: str, future: _native.TransferFuture) -> None:
+        """Adds an ended copy's phases to :attr:`costs` (waits excluded:
+        ``queued`` and ``handoff`` are time in a queue, not work)."""
+        try:
+            phases = future.phases
+        except Exception:  # a statistic never fails a collect
+            return
+        self.costs[f"copies_{direction}"] += 1
+        for phase in ("check", "map", "lease", "plan", "copy", "finish"):
+            self.costs[f"copy_{direction}_{phase}_us"] += int(phases.get(phase, 0))
 
     def _keep_pool_forever(self) -> None:
         """After ``UnsafeCopy``: the page pool must outlive any DMA into it."""

@@ -99,13 +99,32 @@ def test_prometheus_series_carry_each_counter_and_gauge_per_engine() -> None:
     assert 'vllm:lmcache_rc_state{engine="0",model_name="m",state="tasks_store"} 0.0' in text
 
 
-def test_a_worker_rank_reports_no_stats() -> None:
-    """Only the scheduler counts; ranks answer None (vLLM then sends the
-    scheduler's alone)."""
+def test_a_worker_rank_reports_its_copies_and_the_time_vllm_spent_in_it() -> None:
+    """A rank's statistics are its copies' cost (from its copy worker) and
+    the time spent in the connector's hooks, added to the scheduler's by vLLM."""
+    from collections import Counter
+
+    from lmcache_rc.vllm.stats import StatsFeed
+    from lmcache_rc.vllm.worker import WorkerHooks
+
+    class Side(WorkerHooks):
+        def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+            return {"copies_store": 2, "copy_store_copy_us": 40}, {"rank0_copies_in_flight": 1}
+
     connector = LMCacheRecurrentCheckpointConnector.__new__(LMCacheRecurrentCheckpointConnector)
     connector._is_scheduler = False
     connector._local = None
-    assert connector.get_kv_connector_stats() is None
+    connector._worker_side = Side()
+    connector._stats_feed = StatsFeed()
+    connector._stats_failed = False
+    connector._hook_ns = Counter({"hook_wait_for_save_us": 5_000_000})
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None
+    assert stats.counters["copies_store"] == 2 and stats.counters["copy_store_copy_us"] == 40
+    # the call itself is timed too
+    assert stats.counters["hook_wait_for_save_us"] == 5000
+    assert "hook_get_kv_connector_stats_us" in connector._hook_ns
+    assert stats.gauges == {"rank0_copies_in_flight": 1.0}
 
 
 class _Link:

@@ -417,3 +417,38 @@ def test_the_worker_refuses_a_layout_that_does_not_fit_its_pool(server: Any) -> 
         )
     with pytest.raises(ValueError, match="rank"):
         CheckpointWorker(server.socket_path, rank=1, world_size=1, layout=LAYOUT, page_pool=pool)
+
+
+def test_a_copys_phases_are_timed_and_the_worker_adds_them_up(server: Any) -> None:
+    """``TransferFuture.phases`` says where a copy's time went; the worker adds
+    the ended copies' phases up per direction (the connector reports them to
+    vLLM as what copies cost a rank)."""
+    m, _ = manifest(70)
+    pool = pool_for(m)
+    ids = block_layout(m, 1)
+    fill(pool, m, 0, ids)
+    client = rc.Client(server.socket_path)
+    assert client.begin(m)
+    worker = CheckpointWorker(
+        server.socket_path, rank=0, world_size=1, layout=LAYOUT, page_pool=pool
+    )
+    assert worker.submit("s", m, "STORE", ids)
+    assert collect_all(worker, 1) == {"s": True}
+    other = [[row + 20 for row in group] for group in ids]
+    assert worker.submit("r", m, "RETRIEVE", other)
+    assert collect_all(worker, 1) == {"r": True}
+    worker.close()
+    assert worker.costs["copies_store"] == 1 and worker.costs["copies_restore"] == 1
+    for direction in ("store", "restore"):
+        assert worker.costs[f"copy_{direction}_lease_us"] > 0, worker.costs
+        assert f"copy_{direction}_copy_us" in worker.costs
+    engine = rc.TransferEngine(server.socket_path, pool_for(m), layout=LAYOUT)
+    future = engine.submit(m, 0, "RETRIEVE", other)
+    assert future is not None and future.result(30) is True
+    phases = future.phases
+    assert set(phases) == {
+        "queued", "check", "map", "lease", "plan", "handoff", "copy", "finish", "total",
+    }  # fmt: skip
+    assert phases["total"] >= phases["lease"] + phases["copy"]
+    engine.close()
+    assert idle(client) == (0, 0, 0)

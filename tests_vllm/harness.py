@@ -594,6 +594,7 @@ class ToyWorker:
                 finished_recving=results.finished_recving or None,
                 failed_recving=results.failed_recving,
                 invalid_block_ids=c.get_block_ids_with_load_errors(),
+                kv_connector_stats=c.get_kv_connector_stats(),
                 kv_connector_worker_meta=c.build_connector_worker_meta(),
             )
             c.clear_connector_metadata()

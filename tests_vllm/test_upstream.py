@@ -643,7 +643,14 @@ def test_the_connectors_counters_reach_vllms_statistics(make_engine: EngineFacto
         total = Connector.build_kv_connector_stats(dict(payloads[0]))
         for payload in payloads[1:]:
             total = total.aggregate(Connector.build_kv_connector_stats(dict(payload)))
-        assert total.counters == {k: v for k, v in counters(engine).items() if v}
+        # the scheduler's counters, the rank's copies and every hook's time
+        mine = {k: v for k, v in counters(engine).items() if v}
+        assert {k: total.counters.get(k) for k in mine} == mine
+        copies = total.counters.get("copies_store", 0) + total.counters.get("copies_restore", 0)
+        assert copies == counters(engine).get("tasks_sent", 0), total.counters
+        assert total.counters.get("copy_store_lease_us", 0) > 0
+        assert "hook_build_connector_meta_us" in total.counters
+        assert "hook_start_load_kv_us" in total.counters  # a rank's hook
         assert total.gauges["sidecar_connected"] == 1.0
         assert total.gauges["pinned_blocks"] == 0.0 and total.gauges["tasks_store"] == 0.0
     assert counters(b)["restores_done"] == 1

@@ -42,6 +42,7 @@ import functools
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any, ClassVar, ParamSpec, TypeVar
@@ -101,15 +102,24 @@ def _serialized(
 ) -> Callable[_P, _R]:
     """An entry point vLLM calls: one at a time with the other entry points of
     the same engine in this process and with its idle hand-over thread
-    (:mod:`lmcache_rc.vllm.local`); a plain call when no local engine is joined."""
+    (:mod:`lmcache_rc.vllm.local`); a plain call when no local engine is
+    joined. The time it takes is added to the connector's ``hook_<name>_us``
+    counter (what the connector costs vLLM's threads)."""
+    key = f"hook_{method.__name__}_us"
 
     @functools.wraps(method)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        local: LocalEngine | None = getattr(args[0], "_local", None)
-        if local is None:
-            return method(*args, **kwargs)
-        with local.call():
-            return method(*args, **kwargs)
+        started = time.perf_counter_ns()
+        try:
+            local: LocalEngine | None = getattr(args[0], "_local", None)
+            if local is None:
+                return method(*args, **kwargs)
+            with local.call():
+                return method(*args, **kwargs)
+        finally:
+            costs: Counter[str] | None = getattr(args[0], "_hook_ns", None)
+            if costs is not None:
+                costs[key] += time.perf_counter_ns() - started
 
     return wrapper
 
@@ -210,6 +220,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
         # disabled, each is the side with nothing to do.
         self._stats_feed = StatsFeed()
         self._stats_failed = False
+        self._hook_ns: Counter[str] = Counter()
         self._scheduler: SchedulerSide = SchedulerSide()
         self._worker_side: WorkerHooks = WorkerHooks()
         if self._mode is None and VLLM_AVAILABLE:
@@ -624,14 +635,18 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
 
     @_serialized
     def get_kv_connector_stats(self) -> CheckpointConnectorStats | None:
-        """Scheduler (after every step): what the connector counted since the
-        last call and its gauges, or None when nothing changed; vLLM logs
-        them (``KV Transfer metrics: …``) and exports them in ``/metrics``.
-        Worker ranks report none. Never raises into vLLM's step."""
-        if not self._is_scheduler:
-            return None
+        """What the connector counted since the last call and its gauges, or
+        None when nothing changed: the scheduler's lookups, restores and
+        stores, a rank's copies and what they cost, and everywhere the time
+        spent in vLLM's calls (``hook_<name>_us``). vLLM adds the ranks' and
+        the scheduler's up, logs them (``KV Transfer metrics: …``) and
+        exports them in ``/metrics``. Never raises into vLLM's step."""
         try:
-            counters, gauges = self._scheduler.stats()
+            if self._is_scheduler:
+                counters, gauges = self._scheduler.stats()
+            else:
+                counters, gauges = self._worker_side.stats()
+            counters.update({k: v // 1000 for k, v in self._hook_ns.items()})
             return self._stats_feed.take(counters, gauges)
         except Exception:
             if not self._stats_failed:

@@ -155,6 +155,10 @@ class WorkerHooks:
         """Test hook of a worker rank: RuntimeError here."""
         raise RuntimeError("inject_fault is a worker-role hook")
 
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Cumulative counters and gauges of this rank (none without a copy worker)."""
+        return {}, {}
+
     def close(self) -> None:
         """Nothing to drain."""
 
@@ -236,6 +240,14 @@ class WorkerSide(WorkerHooks):
     def is_unsafe(self) -> bool:
         """Whether the copy worker turned unsafe."""
         return bool(getattr(self._worker, "is_unsafe", False))
+
+    def stats(self) -> tuple[dict[str, int], dict[str, float]]:
+        """This rank's copies that ended and their cost per phase
+        (:attr:`lmcache_rc.worker.CheckpointWorker.costs`), and the copies
+        in flight."""
+        costs = getattr(self._worker, "costs", None)
+        counters = dict(costs) if costs is not None else {}
+        return counters, {f"rank{self._rank}_copies_in_flight": float(self.in_flight())}
 
     # ------------------------------------------------------------------ binding
 

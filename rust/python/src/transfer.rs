@@ -17,6 +17,7 @@
 //! copy; when the engine turns unsafe the references are leaked on purpose
 //! (a copy may still touch the memory).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -825,6 +826,26 @@ impl PyTransferFuture {
                 _ => None,
             })
             .flatten())
+    }
+
+    /// Where the job's time went, in microseconds per phase (`queued`,
+    /// `check`, `map`, `lease`, `plan`, `handoff`, `copy`, `finish`, `total`;
+    /// complete once the job ended): what a copy costs, for statistics.
+    #[getter]
+    fn phases(&self) -> PyResult<BTreeMap<&'static str, u64>> {
+        let p = self.handle.get()?.phases();
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        Ok(BTreeMap::from([
+            ("queued", us(p.queued)),
+            ("check", us(p.check)),
+            ("map", us(p.map)),
+            ("lease", us(p.lease)),
+            ("plan", us(p.plan)),
+            ("handoff", us(p.handoff)),
+            ("copy", us(p.copy)),
+            ("finish", us(p.finish)),
+            ("total", us(p.total)),
+        ]))
     }
 
     fn __repr__(&self) -> String {
