@@ -308,10 +308,47 @@ def _status_value(key: str, value: Any) -> str:
     return str(value)
 
 
+COST_PREFIXES = ("hook_", "copy_", "copies_")
+"""The connector's cost counters (``lmcache_rc.vllm.stats.COST_PREFIXES``,
+not imported here: that module imports vLLM, which `status` must not wait for)."""
+
+
+def _engines(client: Any) -> list[dict[str, Any]]:
+    """The attached engines' last reports (none from a sidecar too old to keep them)."""
+    try:
+        return [dict(e) for e in client.engines()]
+    except rc.errors.ProtocolError:
+        return []
+
+
+def _print_engines(engines: list[dict[str, Any]], width: int) -> None:
+    """Each engine's counters that explain its restores (the cost counters,
+    ``hook_*``/``copy_*``, only in ``--json``)."""
+    print()
+    print(f"{'engines':<{width}}  {len(engines) or 'none'} reporting")
+    for engine in engines:
+        print(f"  {engine['engine']} (reported {engine['age_ms'] / 1000:.1f} s ago)")
+        shown = [
+            f"{k} {v}"
+            for k, v in sorted(engine["counters"].items())
+            if v and not k.startswith(COST_PREFIXES)
+        ]
+        line = "   "
+        for item in shown:
+            if len(line) + len(item) > 98:
+                print(line)
+                line = "   "
+            line += f" {item},"
+        if shown:
+            print(line.rstrip(","))
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
-    status: dict[str, Any] = dict(_client(args).status())
+    client = _client(args)
+    status: dict[str, Any] = dict(client.status())
+    engines = _engines(client)
     if args.json:
-        print(json.dumps(status, sort_keys=True))
+        print(json.dumps({**status, "engines": engines}, sort_keys=True))
         return 0
     facts = [(label, _status_value(key, status.get(key))) for label, key in _STATUS_FACTS]
     if status.get("l2_path"):
@@ -331,6 +368,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"  {reason:<{width - 2}}  {count}")
     else:
         print(f"{'misses':<{width}}  none")
+    _print_engines(engines, width)
     return 0
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "ChangeBatch",
     "ClearReport",
     "DirectoryStatus",
+    "EngineReport",
     "GenerationInfo",
     "ListedGeneration",
     "Located",
@@ -270,6 +271,16 @@ class TierLoad(TypedDict):
     """Moving average of one page load's rate once its bytes arrive."""
     parallelism: int
     """Page loads the tier runs at once."""
+
+
+class EngineReport(TypedDict):
+    """An attached engine's last report, as ``engines()`` answers it: its id
+    (vLLM's ``engine_id``), milliseconds since it reported, and its
+    cumulative counters by name."""
+
+    engine: str
+    age_ms: int
+    counters: dict[str, int]
 
 
 class Located(TypedDict):

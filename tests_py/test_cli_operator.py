@@ -332,3 +332,37 @@ def test_exit_codes_are_documented() -> None:
     for code in ("| 0 ", "| 1 ", "| 2 ", "| 3 ", "| 4 ", "| 130 ", "| 141 "):
         assert code in text, code
     assert "LMCACHE_RC_DEBUG" in text
+
+
+def test_status_shows_each_reporting_engine(
+    tmp_path: Path, sidecar: tuple[str, list[str], dict[str, str]]
+) -> None:
+    socket, _, env = sidecar
+    client = rc.Client(socket)
+    client.report_engine(
+        "engine-x", {"lookups": 9, "restores_done": 3, "lookup_miss": 0, "hook_start_load_kv_us": 7}
+    )
+    out = cli("status", "--socket", socket, env=env)
+    assert out.returncode == 0, out.stderr
+    tail = out.stdout.split("\nengines", 1)[1]
+    assert tail.split("\n")[0].split() == ["1", "reporting"]
+    assert "engine-x (reported" in tail
+    assert "lookups 9, restores_done 3" in tail
+    assert "lookup_miss" not in tail and "hook_" not in tail, "zeros and costs only in --json"
+    as_json = json.loads(cli("status", "--socket", socket, "--json", env=env).stdout)
+    (engine,) = as_json["engines"]
+    assert engine["engine"] == "engine-x" and engine["counters"]["hook_start_load_kv_us"] == 7
+
+
+def test_a_bad_engine_report_is_refused_and_keeps_nothing(
+    sidecar: tuple[str, list[str], dict[str, str]],
+) -> None:
+    socket, _, _ = sidecar
+    client = rc.Client(socket)
+    with pytest.raises(rc.errors.InvalidInput, match="engine id"):
+        client.report_engine("", {"lookups": 1})
+    with pytest.raises(rc.errors.InvalidInput, match="at most 256 counters"):
+        client.report_engine("e", {f"c{i}": 1 for i in range(300)})
+    with pytest.raises(OverflowError):
+        client.report_engine("e", {"lookups": -1})
+    assert client.engines() == []

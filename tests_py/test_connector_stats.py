@@ -47,6 +47,8 @@ def test_stats_fold_counters_by_adding_and_gauges_by_replacing() -> None:
     assert folded.counters == {"lookups": 3, "stores_failed": 1}
     assert folded.gauges == {"tasks_store": 1.0}
     assert folded.reduce() == {"lookups": 3, "stores_failed": 1, "tasks_store": 1.0}
+    folded.aggregate(CheckpointConnectorStats({"counters": {"hook_start_load_kv_us": 9}}))
+    assert "hook_start_load_kv_us" not in folded.reduce(), "costs go to /metrics, not the log"
     assert not folded.is_empty()
     folded.reset()
     assert folded.is_empty() and folded.reduce() == {}
@@ -169,3 +171,10 @@ def test_an_outage_is_logged_once_and_its_end_once(caplog: pytest.LogCaptureFixt
     assert "lost the connection to the sidecar" in warnings[0]
     assert "reachable again" in warnings[1] and "50 lookups and stores" in warnings[1]
     assert link.outages == 1
+
+
+def test_the_cli_hides_the_same_cost_counters_as_vllms_log_line() -> None:
+    from lmcache_rc import cli
+    from lmcache_rc.vllm import stats
+
+    assert cli.COST_PREFIXES == stats.COST_PREFIXES

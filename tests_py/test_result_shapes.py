@@ -67,6 +67,11 @@ def test_service_and_server_results_match_their_typed_dicts(tmp_path: Path) -> N
             )
             other = rc.TokenRoots.build(m.prefix.namespace, [7, 7, 7]).roots
             assert client.find_located_async(other).result(timeout=30) is None
+            client.report_engine("engine-a", {"lookups": 3, "restores_done": 1})
+            (report,) = client.engines()
+            assert_shape(report, results.EngineReport)
+            assert report["counters"] == {"lookups": 3, "restores_done": 1}
+            assert client.engines_async().result(timeout=30)[0]["engine"] == "engine-a"
             assert_shape(client.clear(), results.ClearReport)
             assert_shape(client.status_async().result(timeout=30), results.RpcStatus)
             assert_shape(m.page_groups()[0], results.PageGroup)

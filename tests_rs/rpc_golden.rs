@@ -15,8 +15,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use lmcache_rc_core::protocol::{
-    Capabilities, Change, ChangeBatch, ClearReport, GenerationInfo, Lease, MissReason, OPERATIONS,
-    ServiceStatus, TierLoad,
+    Capabilities, Change, ChangeBatch, ClearReport, EngineReport, GenerationInfo, Lease,
+    MissReason, OPERATIONS, ServiceStatus, TierLoad,
 };
 use lmcache_rc_core::rpc::wire::{
     self, Reply, Request, Value, WireLocated, WireManifest, WirePrefix,
@@ -44,6 +44,8 @@ const TAGS: &[(&str, u8)] = &[
     ("invalidate_namespace", 13),
     ("changes", 14),
     ("find_located", 15),
+    ("report_engine", 16),
+    ("engines", 17),
 ];
 
 fn fixtures() -> PathBuf {
@@ -148,6 +150,14 @@ fn requests() -> Vec<(&'static str, Request)> {
             },
         ),
         ("find_located", Request::FindLocated { roots: roots() }),
+        (
+            "report_engine",
+            Request::ReportEngine {
+                engine: "engine-a".into(),
+                counters: vec![("lookups".into(), 300), ("restores_done".into(), 7)],
+            },
+        ),
+        ("engines", Request::Engines {}),
     ]
 }
 
@@ -275,6 +285,18 @@ fn replies() -> Vec<(&'static str, Reply)> {
             }))),
         ),
         ("find_located.miss", ok(Value::Located(None))),
+        ("report_engine", ok(Value::Unit)),
+        (
+            "engines",
+            ok(Value::Engines(vec![EngineReport {
+                engine: "engine-a".into(),
+                age_ms: 300,
+                counters: BTreeMap::from([
+                    ("lookups".to_string(), 300),
+                    ("restores_done".to_string(), 7),
+                ]),
+            }])),
+        ),
         (
             "error",
             Reply::error(

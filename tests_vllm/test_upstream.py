@@ -680,3 +680,32 @@ def test_a_lookup_answered_within_lookup_wait_restores_a_step_sooner(
     b.run()
     assert b.finished["b"].output == out
     assert restored(b) == 64
+
+
+def test_the_sidecar_shows_every_attached_engines_counters(
+    make_engine: EngineFactory, sidecar: Sidecar
+) -> None:
+    """Each engine reports its counters to the sidecar (every few seconds, and
+    when it shuts down): ``engines()`` — ``lmcache-rc status`` and ``GET
+    /status`` — shows every engine's lookups, restores and stores beside the
+    sidecar's own figures."""
+    prompt = tokens(50, 70)
+    a = make_engine()
+    out = a.generate("a", prompt, 6)
+    b = make_engine()
+    b.generate("b", prompt + out + tokens(51, 5), 3)
+    finals = {}
+    for engine in (a, b):
+        engine.run()
+        assert engine.connector is not None and engine.connector.upstream is not None
+        status = engine.connector.upstream.report_status()
+        finals[status["engine_id"]] = counters(engine)
+        engine.shutdown()  # the final report
+    reports = {r["engine"]: r for r in sidecar.client().engines()}
+    assert set(finals) <= set(reports), (set(finals), set(reports))
+    for engine_id, final in finals.items():
+        shown = reports[engine_id]["counters"]
+        assert {k: shown.get(k, 0) for k in final} == final, engine_id
+        assert reports[engine_id]["age_ms"] < 60_000
+    (b_id,) = [e for e, c in finals.items() if c.get("restores_done")]
+    assert reports[b_id]["counters"]["restores_done"] == 1

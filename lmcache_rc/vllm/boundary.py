@@ -610,6 +610,7 @@ class CheckpointSchedulerBridge(TaskBook[_Task]):
         self._step_scheduled(scheduler_output)
         self._negotiation_settled()
         self._pump_begins()
+        self._report_engine()
         return CheckpointConnectorMetadata(self._send_tasks(self._max_in_flight))
 
     def _engine_task(self, task: _Task) -> CheckpointEngineTask:

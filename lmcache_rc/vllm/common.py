@@ -24,6 +24,7 @@ import enum
 import html
 import json
 import logging
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -376,6 +377,8 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         validate: Callable[[int, Mapping[str, Any]], None] | None,
         clock: Callable[[], float],
         skip_rule: SkipRule | None = None,
+        engine_id: str = "",
+        report_interval: float = 5.0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -399,6 +402,13 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         # Lookups ask where pages sit only for the skip rule, and only while
         # the sidecar answers it (an older one refuses find_located).
         self._located = self._skip.enabled and self._client.supports_located
+        self._engine_id = engine_id or uuid.uuid4().hex
+        self._report_interval = report_interval
+        self._reported_at = float("-inf")
+        self._report: SidecarFuture | None = None
+        self._reports = report_interval > 0
+        """Whether this engine's counters go to the sidecar (``report_engine``:
+        shown by ``lmcache-rc status``); off once a sidecar refuses them."""
 
     # ------------------------------------------------------------------ layout
 
@@ -693,6 +703,36 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         }
         return dict(self._counters), gauges
 
+    def _report_engine(self, force: bool = False) -> None:
+        """Every ``report_interval`` seconds (or now, ``force``): this
+        engine's counters to the sidecar, which shows them in its status
+        beside its own. Never blocks: the previous report's answer is only
+        looked at; a sidecar that does not know the call (older than this
+        build) is not asked again."""
+        if not self._reports or self._closed:
+            return
+        if self._report is not None and self._report.done():
+            try:
+                self._report.result(0)
+            except errors.ProtocolError as e:
+                logger.info("lmcache-rc: the sidecar keeps no engine reports (%s)", e)
+                self._reports = False
+                return
+            except Exception:  # the sidecar went away: the next report tries again
+                pass
+            self._report = None
+        now = self._clock()
+        if self._report is not None or (
+            not force and now - self._reported_at < self._report_interval
+        ):
+            return
+        self._reported_at = now
+        counters, _ = self.stats()
+        try:
+            self._report = self._client.report_engine_async(self._engine_id, counters)
+        except Exception as e:  # a report never fails a step
+            logger.debug("engine report not sent: %s", e)
+
     def _status(self, lookups: Iterable[Lookup]) -> dict[str, Any]:
         """The part of a status both modes report."""
         phases = Counter(str(lookup.phase) for lookup in lookups)
@@ -709,6 +749,7 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
                 "unsent": sum(1 for t in self._tasks.values() if not t.sent),
             },
             "pending_begins": len(self._begins),
+            "engine_id": self._engine_id,
             "counters": dict(sorted(self._counters.items())),
             "restore_cost": {**self._skip.report(), "find_located": self._located},
         }
@@ -719,6 +760,7 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         (workers may copy)."""
         if self._closed:
             return
+        self._report_engine(force=True)  # the final counters (the reply is not awaited)
         self._closed = True
         for pb in self._begins:
             self._abort(pb.task.manifest.generation)

@@ -512,6 +512,7 @@ class LMCacheRecurrentCheckpointConnector(KVConnectorBase_V1, SupportsHMA):  # t
             world_size=self._world_size,
             clock=self.clock,
             router_hasher=hasher,
+            engine_id=str(getattr(self._vllm_config.kv_transfer_config, "engine_id", "") or ""),
         )
         side.bind_block_pool(kv_cache_manager.block_pool)
         self._scheduler = side

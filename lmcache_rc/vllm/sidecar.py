@@ -200,6 +200,15 @@ class NonBlockingSidecar:
             raise self._down("change feed")
         return self._client.changes_async(since, watch)
 
+    def report_engine_async(self, engine: str, counters: dict[str, int]) -> SidecarFuture | None:
+        """Sends the engine's counters (``report_engine``); None when the
+        connection is down or the client cannot (a report is never queued)."""
+        send = getattr(self._client, "report_engine_async", None)
+        if send is None or not self.available:
+            return None
+        future: SidecarFuture = send(engine, counters)
+        return future
+
     def close(self) -> None:
         """Closes the client."""
         self._client.close()

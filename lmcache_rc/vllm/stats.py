@@ -33,6 +33,7 @@ from typing import Any
 from lmcache_rc.vllm.api import KVConnectorPromMetrics, KVConnectorStats
 
 __all__ = [
+    "COST_PREFIXES",
     "EVENTS_METRIC",
     "STATE_METRIC",
     "CheckpointConnectorStats",
@@ -46,6 +47,9 @@ EVENTS_METRIC = "vllm:lmcache_rc_events"
 """Counter (``_total`` in the exposition): the connector's counters, label ``event``."""
 STATE_METRIC = "vllm:lmcache_rc_state"
 """Gauge: the connector's state, label ``state``."""
+
+COST_PREFIXES = ("hook_", "copy_", "copies_")
+"""Counters of what the connector costs (not in the log line)."""
 
 _COUNTERS = "counters"
 _GAUGES = "gauges"
@@ -88,8 +92,13 @@ class CheckpointConnectorStats(KVConnectorStats):  # type: ignore[misc]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """One log line's values: counters that moved, then the gauges."""
-        out: dict[str, int | float] = {k: v for k, v in sorted(self.counters.items()) if v}
+        """One log line's values: counters that moved, then the gauges. The
+        cost counters (time in vLLM's calls, copies by phase: ``hook_*``,
+        ``copy_*``, ``copies_*``) are left to ``/metrics``: they would
+        drown the line."""
+        out: dict[str, int | float] = {
+            k: v for k, v in sorted(self.counters.items()) if v and not k.startswith(COST_PREFIXES)
+        }
         out.update(sorted(self.gauges.items()))
         return out
 

@@ -168,6 +168,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         world_size: int,
         clock: Callable[[], float] = time.monotonic,
         router_hasher: RouterHasher | None = None,
+        engine_id: str = "",
     ) -> None:
         super().__init__(
             client,
@@ -180,6 +181,7 @@ class UpstreamScheduler(TaskBook[_Task]):
             validate=self._check_layout,
             clock=clock,
             skip_rule=SkipRule.from_options(options),
+            engine_id=engine_id,
         )
         self._options = options
         self._groups: tuple[GroupInfo, ...] = tuple(
@@ -779,6 +781,7 @@ class UpstreamScheduler(TaskBook[_Task]):
                 del self._restores[rid]  # a resumed request looks up afresh
         self._offers(scheduler_output)
         self._pump_begins()
+        self._report_engine()
         # Never more at the ranks than their copy queues admit (a refused
         # restore would fail and recompute); restores first: a request is
         # parked on each, stores only hold blocks. A deferred restore's

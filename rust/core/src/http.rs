@@ -68,7 +68,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::error::{Error, Result};
 use crate::metrics;
-use crate::protocol::{Checkpoints, ServiceStatus, clear_force};
+use crate::protocol::{Checkpoints, EngineReport, ServiceStatus, clear_force};
 
 /// Most bytes of a request head (request line and headers) read before the
 /// request is refused with 431.
@@ -270,7 +270,11 @@ impl Routes {
         let service = &*self.service;
         match (method, path) {
             ("GET", "/status") => match service.status() {
-                Ok(status) => Reply::json(200, status_json(&status)),
+                // an engine list the service cannot give is empty, never a failed status
+                Ok(status) => Reply::json(
+                    200,
+                    status_json(&status, &service.engines().unwrap_or_default()),
+                ),
                 Err(e) => Reply::error(500, &e),
             },
             ("GET", "/metrics") => {
@@ -942,9 +946,11 @@ fn clear_flags(query: &str) -> Result<(bool, bool)> {
     Ok((clear_force(force), all_tiers))
 }
 
-/// The status as one JSON object: integers, the facts (strings or null)
-/// and a `misses` map; the keys of the RPC status as Python sees it.
-pub fn status_json(status: &ServiceStatus) -> String {
+/// The status as one JSON object: integers, the facts (strings or null),
+/// a `misses` map and the attached engines' last reports (`engines`, a
+/// list, most recent first); the keys of the RPC status as Python sees it,
+/// plus `engines`.
+pub fn status_json(status: &ServiceStatus, engines: &[EngineReport]) -> String {
     let mut map = serde_json::Map::new();
     for (k, v) in &status.values {
         map.insert(k.clone(), serde_json::Value::from(*v));
@@ -958,6 +964,10 @@ pub fn status_json(status: &ServiceStatus) -> String {
         .map(|(k, v)| (k.clone(), serde_json::Value::from(*v)))
         .collect();
     map.insert("misses".into(), serde_json::Value::Object(misses));
+    map.insert(
+        "engines".into(),
+        serde_json::to_value(engines).unwrap_or(serde_json::Value::Array(Vec::new())),
+    );
     serde_json::Value::Object(map).to_string()
 }
 

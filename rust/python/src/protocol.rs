@@ -9,11 +9,12 @@
 //! operation with the GIL released, and converts the result with
 //! [`ToPython`]. Nothing here builds wire requests.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use lmcache_rc_core::protocol::{
-    Capabilities, ChangeBatch, ClearReport, GenerationInfo, Lease, Located, Pending, ServiceStatus,
-    Slot,
+    Capabilities, ChangeBatch, ClearReport, EngineReport, GenerationInfo, Lease, Located, Pending,
+    ServiceStatus, Slot,
 };
 use lmcache_rc_core::{Error, ErrorKind, Manifest, Prefix, Result};
 use pyo3::prelude::*;
@@ -124,6 +125,12 @@ impl ToPython for Vec<GenerationInfo> {
     }
 }
 
+impl ToPython for Vec<EngineReport> {
+    fn to_python(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        plain(py, &self)
+    }
+}
+
 /// Runs one blocking operation with the GIL released and converts its result.
 pub(crate) fn call<T: ToPython + Send>(
     py: Python<'_>,
@@ -196,6 +203,20 @@ impl PyArg for fn(&[String]) {
     type Arg<'a> = &'a [String];
     fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
         Ok(param.unwrap_or_default())
+    }
+    fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
+        held
+    }
+}
+
+/// An engine's counters: a mapping of names to non-negative integers (a
+/// negative or non-integer count raises, as pyo3's extraction does).
+impl PyArg for fn(&[(String, u64)]) {
+    type Param<'py> = BTreeMap<String, u64>;
+    type Held<'py> = Vec<(String, u64)>;
+    type Arg<'a> = &'a [(String, u64)];
+    fn hold<'py>(param: Self::Param<'py>) -> PyResult<Self::Held<'py>> {
+        Ok(param.into_iter().collect())
     }
     fn arg<'a, 'py>(held: &'a Self::Held<'py>) -> Self::Arg<'a> {
         held

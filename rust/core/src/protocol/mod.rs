@@ -3,7 +3,7 @@
 //!
 //! - [`Checkpoints`] is the operation set (capabilities, find, begin, abort,
 //!   the store and retrieve lease calls, status, clear, list, invalidate a
-//!   namespace). It is
+//!   namespace, the change feed, engines' reports). It is
 //!   implemented by the in-process [`CheckpointService`](crate::service::CheckpointService)
 //!   and by the RPC [`Client`](crate::rpc::Client); the RPC server decodes a
 //!   request into one call of it ([`crate::rpc::wire::Request::apply`]); the
@@ -18,7 +18,7 @@
 //!   service, test doubles).
 //! - The values ([`Lease`], [`LeaseStatus`], [`Slot`], [`MissReason`],
 //!   [`Capabilities`], [`ServiceStatus`], [`ClearReport`],
-//!   [`GenerationInfo`], [`Located`], [`TierLoad`]) and the versions ([`PROTOCOL_VERSION`],
+//!   [`GenerationInfo`], [`Located`], [`TierLoad`], [`EngineReport`]) and the versions ([`PROTOCOL_VERSION`],
 //!   [`FORMAT_VERSION`]).
 //!
 //! Lease calls that name a lease by id take the caller's `rank` when it
@@ -44,8 +44,8 @@ pub use crate::for_each_operation;
 pub use pending::{Pending, Waitable};
 pub use pool::PoolSource;
 pub use types::{
-    CHANGE_KINDS, Capabilities, Change, ChangeBatch, ClearReport, GenerationInfo, Lease,
-    LeaseStatus, Located, MissReason, ServiceStatus, Slot, TIERS, TierLoad,
+    CHANGE_KINDS, Capabilities, Change, ChangeBatch, ClearReport, EngineReport, GenerationInfo,
+    Lease, LeaseStatus, Located, MissReason, ServiceStatus, Slot, TIERS, TierLoad,
 };
 
 /// Slot/layout format version announced in capabilities.
@@ -59,6 +59,19 @@ pub const MAX_CHANGES: usize = 4096;
 
 /// Most generations one `changes` call may watch.
 pub const MAX_WATCH: usize = 4096;
+
+/// Engines whose reports a sidecar keeps (`report_engine`): a new engine
+/// beyond it replaces the one that reported least recently.
+pub const MAX_ENGINES: usize = 64;
+
+/// Most counters one engine report carries (more is `InvalidInput`).
+pub const MAX_ENGINE_COUNTERS: usize = 256;
+
+/// Longest engine id and counter name of a report, in bytes.
+pub const MAX_ENGINE_NAME: usize = 128;
+
+/// How long an engine's report is kept after it stopped reporting.
+pub const ENGINE_REPORT_TTL: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// What `clear` does when its caller omits `force`: forced, as in the
 /// reference implementation (a forced clear is still refused with
@@ -220,6 +233,21 @@ macro_rules! for_each_operation {
                 15 FindLocated fn find_located / find_located_async
                     (roots: &[$crate::identity::Prefix])
                     -> Option<$crate::protocol::Located>; py (roots)
+            }
+            {
+                /// An attached engine's counters (cumulative), kept until it reports
+                /// again, for [`ENGINE_REPORT_TTL`](crate::protocol::ENGINE_REPORT_TTL)
+                /// after its last report, or until [`MAX_ENGINES`](crate::protocol::MAX_ENGINES)
+                /// others reported since. An empty or over-long id or name, or more than
+                /// [`MAX_ENGINE_COUNTERS`](crate::protocol::MAX_ENGINE_COUNTERS)
+                /// counters, is `InvalidInput`.
+                16 ReportEngine fn report_engine / report_engine_async
+                    (engine: &str, counters: &[(String, u64)]) -> (); py (engine, counters)
+            }
+            {
+                /// Every engine's last report ([`EngineReport`]), most recent first.
+                17 Engines fn engines / engines_async ()
+                    -> Vec<$crate::protocol::EngineReport>; py ()
             }
         }
     };

@@ -275,6 +275,20 @@ pub struct GenerationInfo {
     pub access_order: i64,
 }
 
+/// What an attached engine last reported of itself (`report_engine`), as
+/// `engines` answers it: its counters (the vLLM connector's lookups,
+/// restores, stores, skips and failures, cumulative) and how long ago it
+/// reported them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineReport {
+    /// The engine's id (vLLM's `engine_id`), as it reported it.
+    pub engine: String,
+    /// Milliseconds since its last report.
+    pub age_ms: u64,
+    /// Its counters by name.
+    pub counters: BTreeMap<String, u64>,
+}
+
 /// One entry of the change feed (`changes`): a generation became
 /// restorable here (`listed`), its copy reached a more durable tier
 /// (`tier`), or it stopped being restorable (`unlisted`: evicted from every

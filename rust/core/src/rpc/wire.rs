@@ -19,8 +19,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::identity::Prefix;
 use crate::manifest::Manifest;
 use crate::protocol::{
-    Capabilities, ChangeBatch, Checkpoints, ClearReport, GenerationInfo, Lease, Located,
-    ServiceStatus, TierLoad,
+    Capabilities, ChangeBatch, Checkpoints, ClearReport, EngineReport, GenerationInfo, Lease,
+    Located, ServiceStatus, TierLoad,
 };
 
 /// First bytes of both handshake frames.
@@ -172,6 +172,21 @@ impl WireArg for fn(&[String]) {
     }
 }
 
+impl WireArg for fn(&[(String, u64)]) {
+    type Arg<'a> = &'a [(String, u64)];
+    type Wire = Vec<(String, u64)>;
+    type Held = Vec<(String, u64)>;
+    fn to_wire(arg: &[(String, u64)]) -> Vec<(String, u64)> {
+        arg.to_vec()
+    }
+    fn decode(wire: Vec<(String, u64)>) -> Result<Vec<(String, u64)>> {
+        Ok(wire)
+    }
+    fn arg(held: &Vec<(String, u64)>) -> &[(String, u64)] {
+        held
+    }
+}
+
 impl WireArg for fn(&str) {
     type Arg<'a> = &'a str;
     type Wire = String;
@@ -252,6 +267,7 @@ reply_value! {
     Vec<GenerationInfo> => Generations,
     u64 => Count,
     ChangeBatch => Changes,
+    Vec<EngineReport> => Engines,
 }
 
 impl ReplyValue for () {
@@ -405,6 +421,8 @@ pub enum Value {
     Changes(ChangeBatch),
     /// 10 — find_located (its manifest validated into a [`Manifest`] on receipt).
     Located(Option<WireLocated>),
+    /// 11 — engines.
+    Engines(Vec<EngineReport>),
 }
 
 impl Value {
@@ -422,6 +440,7 @@ impl Value {
             Value::Count(_) => "Count",
             Value::Changes(_) => "Changes",
             Value::Located(_) => "Located",
+            Value::Engines(_) => "Engines",
         }
     }
 

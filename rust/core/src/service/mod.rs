@@ -42,6 +42,7 @@
 
 mod admin;
 mod counters;
+mod engines;
 mod feed;
 mod load_figures;
 mod open;
@@ -76,8 +77,8 @@ pub use types::{ServiceConfig, SharedSettings};
 
 // The protocol's values, also reachable here (they were born in this module).
 pub use crate::protocol::{
-    Capabilities, ChangeBatch, ClearReport, FORMAT_VERSION, GenerationInfo, Lease, LeaseStatus,
-    Located, MissReason, PROTOCOL_VERSION, ServiceStatus, Slot, TierLoad,
+    Capabilities, ChangeBatch, ClearReport, EngineReport, FORMAT_VERSION, GenerationInfo, Lease,
+    LeaseStatus, Located, MissReason, PROTOCOL_VERSION, ServiceStatus, Slot, TierLoad,
 };
 
 /// Everything the service owns, shared with its I/O jobs.
@@ -102,6 +103,8 @@ struct Inner {
     read_keys: Mutex<retrieve::KeyCache>,
     /// What page loads from L2 and the shared tier cost (`load_figures`).
     meters: load_figures::Meters,
+    /// What attached engines last reported of themselves (`engines`).
+    engines: engines::EngineBook,
 }
 
 /// The checkpoint service (in process). Thread-safe; share it by reference.
@@ -267,6 +270,12 @@ impl Checkpoints for CheckpointService {
 
     fn find_located(&self, roots: &[Prefix]) -> Result<Option<Located>> {
         retrieve::find_located(&self.inner, roots)
+    }
+    fn report_engine(&self, engine: &str, counters: &[(String, u64)]) -> Result<()> {
+        self.inner.engines.report(engine, counters)
+    }
+    fn engines(&self) -> Result<Vec<EngineReport>> {
+        Ok(self.inner.engines.list())
     }
 }
 

@@ -120,6 +120,7 @@ impl CheckpointService {
             opened: std::time::Instant::now(),
             read_keys: parking_lot::Mutex::new(Default::default()),
             meters: Default::default(),
+            engines: Default::default(),
         });
         reconcile(&inner, inventory)?;
         Upkeep::start(&inner)?;
