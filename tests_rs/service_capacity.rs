@@ -620,3 +620,63 @@ fn a_store_waits_for_a_page_loading_from_l2_and_writes_it_when_the_load_proves_i
     assert_idle(&svc);
     svc.close().unwrap();
 }
+
+/// A store's L2 writes that find the tier full while another round's
+/// eviction is still deleting the evicted files (their bytes still charged)
+/// wait for those deletes and are written once they are done, instead of
+/// being skipped (`l2_skipped_full`) and leaving the generation without a
+/// disk copy. Under load the two rounds race (one thread evicts and deletes,
+/// another flushes the writes); here the deletes are held at the file
+/// system so the other round certainly comes in between. In process only:
+/// the second round is another caller's call while the first is blocked.
+#[test]
+fn l2_writes_wait_for_deletes_in_flight_instead_of_being_skipped() {
+    for eviction in [Eviction::Lru, Eviction::Cost] {
+        let dir = tempfile::tempdir().unwrap();
+        let l2 = dir.path().join("l2");
+        let a = standard(NS, &seq(46_500, 48), "prompt", 2);
+        let b = standard(NS, &seq(47_500, 48), "prompt", 2);
+        let c = standard(NS, &seq(48_500, 16), "prompt", 1);
+        let (_, one_generation) = charged_l2([&a], dir.path());
+        let faulty = FaultyFs::new();
+        let cfg = ServiceConfig {
+            l2_bytes: Some(one_generation + 700),
+            ..config("cap-l2-wait", Some(&l2))
+        };
+        let svc = lmcache_rc_core::service::CheckpointService::open_with_fs(
+            with_eviction(cfg, eviction),
+            Arc::new(faulty.clone()),
+            &mut |_| {},
+        )
+        .unwrap();
+        store_all(&svc, &a);
+        settle(&svc);
+        let gate = faulty.hold(Op::Remove);
+        std::thread::scope(|scope| {
+            // b's writes need a's space: the round that evicts a stops at
+            // the delete of a's files
+            let storing = scope.spawn(|| store_all(&svc, &b));
+            assert!(
+                gate.wait_for_held(1, Duration::from_secs(30)),
+                "{eviction:?}: no delete started"
+            );
+            // another caller's round flushes b's writes meanwhile
+            assert!(svc.begin(&c).unwrap());
+            svc.abort(&c.generation()).unwrap();
+            gate.release();
+            storing.join().unwrap();
+        });
+        settle(&svc);
+        assert_eq!(stat(&svc, "l2_skipped_full"), 0, "{eviction:?}");
+        assert!(!is_listed(&svc, &a) && is_listed(&svc, &b), "{eviction:?}");
+        assert_eq!(
+            l2_files(&l2),
+            expected_l2([&b]),
+            "{eviction:?}: b is on disk"
+        );
+        svc.clear(false, false).unwrap();
+        restore_all(&svc, &b);
+        assert_idle(&svc);
+        svc.close().unwrap();
+    }
+}

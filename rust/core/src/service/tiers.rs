@@ -110,6 +110,9 @@ pub(super) fn flush(inner: &Arc<Inner>) {
 
 /// One round of side effects. When L2 is full, the first round evicts L2
 /// objects (see [`State::evict_l2`]) and a second round writes what now fits.
+/// A write that finds L2 full while deletes are queued or running (their
+/// bytes still charged) waits for them rather than being skipped
+/// (`l2_skipped_full` counts only writes no delete can make room for).
 fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     let mut evicted = false;
     let (writes, deletes, durable, retire, loads, fetches, uploads) = {
@@ -154,7 +157,12 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
                     l2.charged_bytes_of(k).unwrap_or(0)
                 });
             }
-            if evicted {
+            if evicted || !st.deleting.is_empty() {
+                // Space is being freed: this round's eviction, or deletes
+                // queued or running (another round's eviction, a reclaim)
+                // whose bytes are still charged. The writes wait for them
+                // instead of being skipped; the round that performs the
+                // deletes writes what then fits.
                 st.l2_writes.extend(waiting);
             } else {
                 st.count(Counter::L2SkippedFull, waiting.len() as u64);
@@ -193,8 +201,12 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
             }
         }
     }
+    let mut waiting_writes = false;
     if !deletes.is_empty() {
-        inner.state.state.lock().l2_deletes_done(&deletes);
+        let mut st = inner.state.state.lock();
+        st.l2_deletes_done(&deletes);
+        waiting_writes = !st.l2_writes.is_empty();
+        drop(st);
         inner.state.changed.notify_all();
     }
     for (key, offset, len) in loads {
@@ -221,8 +233,9 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     for (key, offset, len) in writes {
         submit_write(inner, key, offset, len, 0);
     }
-    if evicted {
-        // The evicted files are deleted now: write what waited for space.
+    if evicted || waiting_writes {
+        // The evicted (or reclaimed) files are deleted now: write what
+        // waited for space. That round evicts nothing, so this ends.
         flush_once(inner, false);
     }
 }
