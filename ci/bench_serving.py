@@ -29,6 +29,7 @@ turn measured on (a); and a verdict per target of ``docs/vllm.md``, Serving.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -233,16 +234,14 @@ def measure_1k_turn(model: Path, tmp: Path, engine: dict[str, Any]) -> float:
     server = OpenAIServer(tmp, "yardstick", model, {**engine, "enable_prefix_caching": False})
     try:
         server.start()
-        w = serving.Workload(
+        w = dataclasses.replace(
+            WORKLOAD,
             users=1,
             conversations=3,
             turns=(1, 1),
             system_prompts=1,
             system_tokens=(960, 960),
             user_tokens=(64, 64),
-            max_tokens=32,
-            stream=1.0,
-            vocab=WORKLOAD.vocab,
             seed=11,
         )
         recs = serving.run_load(server.url, w)

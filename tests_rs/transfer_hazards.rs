@@ -17,7 +17,7 @@ use lmcache_rc_core::transfer::{
     CopyBackend, CopyFailure, CopyPlan, CpuBackend, Direction, LeaseAnswer, LeaseApi, LeaseCall,
     PageCopy, PageLayout, PoolShape, Registration, ReplyHandle, TransferEngine, plan,
 };
-use lmcache_rc_core::{Error, Result};
+use lmcache_rc_core::{Error, Manifest, Result};
 
 use crate::service_common::{object_bytes, rank_keys, store_all};
 use crate::transfer_common::*;
@@ -341,21 +341,30 @@ fn a_backend_refuses_a_plan_outside_its_page_pool() {
     assert!(result.is_err(), "an out-of-bounds plan was accepted");
 }
 
+/// A stored generation of tokens from `base`, and a worker over a scripted
+/// service whose retrieves stay pending (their begin_retrieve, ready at once
+/// for pages in L1, is shown as pending) until `api.reset()`: retrieves
+/// submitted meanwhile are unfinished.
+fn retrieves_held_pending(
+    tag: &str,
+    base: u32,
+) -> (Arc<CheckpointService>, Arc<Scripted>, Manifest, Worker) {
+    let (svc, api) = scripted_service(tag);
+    let m = tgen(base, 40, 1);
+    store_all(&svc, &m);
+    api.always("begin_retrieve", Step::AsPending);
+    api.always("poll_retrieve", Step::Pending);
+    let worker = Worker::scripted(&api, Duration::from_secs(2));
+    (svc, api, m, worker)
+}
+
 /// Issue 12, item 9: two unfinished jobs of one engine never copy into the
 /// same page-pool rows. A retrieve may not write rows another job reads or
 /// writes, a store may not read rows a retrieve writes; disjoint rows are
 /// fine, and the rows are free again once the job ended.
 #[test]
 fn an_engine_refuses_a_job_whose_rows_an_unfinished_job_writes() {
-    let (svc, api) = scripted_service("rev-row-clash");
-    let m = tgen(33_000, 40, 1);
-    store_all(&svc, &m);
-    // The first retrieve's lookup stays pending (its begin_retrieve, ready
-    // at once for pages in L1, is shown as pending): it is unfinished
-    // meanwhile.
-    api.always("begin_retrieve", Step::AsPending);
-    api.always("poll_retrieve", Step::Pending);
-    let worker = Worker::scripted(&api, Duration::from_secs(2));
+    let (_svc, api, m, worker) = retrieves_held_pending("rev-row-clash", 33_000);
     let rows = blocks(&m, 1);
     let first = worker.submit(job(&m, 0, Direction::Retrieve, &rows));
 
@@ -390,12 +399,7 @@ fn an_engine_refuses_a_job_whose_rows_an_unfinished_job_writes() {
 /// it never clashes, while the blocks each one copies still claim their rows.
 #[test]
 fn concurrent_retrieves_that_skip_the_same_local_pages_are_both_admitted() {
-    let (svc, api) = scripted_service("rev-skip-clash");
-    let m = tgen(33_100, 40, 1);
-    store_all(&svc, &m);
-    api.always("begin_retrieve", Step::AsPending);
-    api.always("poll_retrieve", Step::Pending);
-    let worker = Worker::scripted(&api, Duration::from_secs(2));
+    let (_svc, api, m, worker) = retrieves_held_pending("rev-skip-clash", 33_100);
     let with_skip = |first: u64| {
         let mut rows = blocks(&m, first);
         rows[0][0] = plan::SKIP; // the local hit's page: in place on this worker
