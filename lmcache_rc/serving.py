@@ -123,6 +123,9 @@ class TurnRecord:
     streamed: bool
     started: float
     """Seconds since the run began."""
+    sent_at: float = 0.0
+    """When it was sent, on the machine's monotonic clock (``time.monotonic()``):
+    to place it against events outside the run."""
     latency: float = 0.0
     """Seconds until the whole answer (or the abort, or the error)."""
     ttft: float | None = None
@@ -356,7 +359,9 @@ class _Load:
         if streamed:
             body["stream_options"] = {"include_usage": True}
         start = time.monotonic()
-        rec = TurnRecord(user, conversation, turn, system, prompt, streamed, start - self.t0)
+        rec = TurnRecord(
+            user, conversation, turn, system, prompt, streamed, start - self.t0, sent_at=start
+        )
         try:
             async with session.post(self.url, json=body) as resp:
                 if resp.status != 200:

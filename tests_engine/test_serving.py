@@ -211,9 +211,10 @@ def _check_outputs(
     return out
 
 
-def _run_with_outage(url: str, sidecar: Sidecar) -> tuple[list[serving.TurnRecord], float]:
+def _run_with_outage(url: str, sidecar: Sidecar) -> tuple[list[serving.TurnRecord], float, float]:
     """The load, with the sidecar SIGKILLed and restarted at :data:`OUTAGE`;
-    returns the records and when (seconds into the load) it was back."""
+    returns the records, and when (``time.monotonic()``) it was killed and
+    when it was back."""
     records: list[serving.TurnRecord] = []
     failure: list[BaseException] = []
 
@@ -224,18 +225,18 @@ def _run_with_outage(url: str, sidecar: Sidecar) -> tuple[list[serving.TurnRecor
             failure.append(e)
 
     thread = threading.Thread(target=load)
-    t0 = time.monotonic()
     thread.start()
     time.sleep(OUTAGE[0])
+    killed = time.monotonic()
     sidecar.kill()
     time.sleep(OUTAGE[1] - OUTAGE[0])
     sidecar.start()
-    back = time.monotonic() - t0
+    back = time.monotonic()
     thread.join(LOAD.duration + 300)
     assert not thread.is_alive(), "the load did not end"
     if failure:
         raise failure[0]
-    return records, back
+    return records, killed, back
 
 
 def _restored_previous_answer(records: list[serving.TurnRecord]) -> tuple[int, int]:
@@ -263,13 +264,13 @@ def test_vllm_serve_under_concurrent_multi_turn_load_with_faults(
     transcript.note(f"servers up in {took['reference']:.0f} s / {took['connector']:.0f} s")
 
     # -- phase 1: concurrent load, client aborts, the sidecar killed and restarted
-    records, back = _run_with_outage(served.url, sidecar)
+    records, killed, back = _run_with_outage(served.url, sidecar)
     errors = [r for r in records if r.error]
     assert not errors, f"client-visible errors: {[r.error for r in errors][:5]}"
     aborted = [r for r in records if r.aborted]
     assert aborted, "the load abandoned no stream"
     later, restored = _restored_previous_answer(records)
-    after = [r for r in records if r.ok and r.started > back + 5]
+    after = [r for r in records if r.ok and r.sent_at > back + 5]
     later_after, restored_after = _restored_previous_answer(after)
     m1 = _wait_idle(served, sidecar)
     counters = {
@@ -280,15 +281,19 @@ def test_vllm_serve_under_concurrent_multi_turn_load_with_faults(
     transcript.note(
         f"phase 1: {len(records)} requests ({len(aborted)} abandoned by the client), "
         f"{later} later turns, {restored} restored the previous answer "
-        f"({restored_after} of {later_after} once the sidecar was back at {back:.0f} s)"
+        f"({restored_after} of {later_after} once the sidecar was back, "
+        f"{back - killed:.0f} s after the kill)"
     )
-    transcript.note(f"  connector counters from vLLM's /metrics: {counters}")
+    shown = {k: v for k, v in counters.items() if not k.startswith(("hook_", "copy_"))}
+    transcript.note(f"  connector counters from vLLM's /metrics: {shown}")
     assert restored >= later // 2, "most later turns restore the previous answer"
     assert restored_after >= 0.8 * later_after, (
         "after the restart the connector reconnects and restores again"
     )
     assert counters.get("lookup_sidecar-down", 0) > 0, "no request was served during the outage"
-    assert counters.get("restores_failed", 0) <= counters.get("restores_done", 0) // 20
+    # restores in flight when the sidecar died, or found by it and fetched
+    # from its successor: at most one per user each time
+    assert counters.get("restores_failed", 0) <= 2 * LOAD.users, counters
     assert m1["vllm:lmcache_rc_state{state=sidecar_connected}"] == 1.0
     log = served.text()
     assert not _product_tracebacks(log), _product_tracebacks(log)[0]
@@ -312,7 +317,7 @@ def test_vllm_serve_under_concurrent_multi_turn_load_with_faults(
     next_turn = max(r.turn for r in last.values()) + 1
     # answers given while the sidecar was down were not stored (recomputed)
     stored = {
-        c: r.started + r.latency < OUTAGE[0] - 3 or r.started > back + 3 for c, r in last.items()
+        c: r.sent_at + r.latency < killed - 3 or r.sent_at > back + 3 for c, r in last.items()
     }
     carried = list(histories.values())
     numbers = list(histories)  # resumed conversation i carries on conversation numbers[i]

@@ -662,7 +662,7 @@ fn l2_writes_wait_for_deletes_in_flight_instead_of_being_skipped() {
             );
             // another caller's round flushes b's writes meanwhile
             assert!(svc.begin(&c).unwrap());
-            svc.abort(&c.generation()).unwrap();
+            svc.abort(c.generation()).unwrap();
             gate.release();
             storing.join().unwrap();
         });

@@ -701,7 +701,18 @@ def test_the_sidecar_shows_every_attached_engines_counters(
         status = engine.connector.upstream.report_status()
         finals[status["engine_id"]] = counters(engine)
         engine.shutdown()  # the final report
-    reports = {r["engine"]: r for r in sidecar.client().engines()}
+    # the final report is answered before an engine's connection closes;
+    # read until both show, in case another connection's frame comes later
+    deadline = time.monotonic() + 30
+    while True:
+        reports = {r["engine"]: r for r in sidecar.client().engines()}
+        shown_all = all(
+            {k: reports.get(e, {"counters": {}})["counters"].get(k, 0) for k in final} == final
+            for e, final in finals.items()
+        )
+        if shown_all or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert set(finals) <= set(reports), (set(finals), set(reports))
     for engine_id, final in finals.items():
         shown = reports[engine_id]["counters"]

@@ -733,6 +733,25 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         except Exception as e:  # a report never fails a step
             logger.debug("engine report not sent: %s", e)
 
+    FINAL_REPORT_WAIT = 1.0
+    """Seconds the final engine report (at close) may wait for the one in
+    flight and for its own answer: bounded, so a shutdown never hangs on it."""
+
+    def _final_report(self) -> None:
+        """The engine's last counters, sent when it closes and answered
+        before the connection goes (a report still in flight is waited for
+        first), each wait at most :data:`FINAL_REPORT_WAIT`."""
+        if not self._reports:
+            return
+        for attempt in range(2):
+            if self._report is not None:
+                try:
+                    self._report.result(self.FINAL_REPORT_WAIT)
+                except Exception:  # timed out or failed: the last report is best effort
+                    pass
+            if attempt == 0:
+                self._report_engine(force=True)
+
     def _status(self, lookups: Iterable[Lookup]) -> dict[str, Any]:
         """The part of a status both modes report."""
         phases = Counter(str(lookup.phase) for lookup in lookups)
@@ -760,7 +779,7 @@ class TaskBook(SchedulerSide, Generic[TaskT]):
         (workers may copy)."""
         if self._closed:
             return
-        self._report_engine(force=True)  # the final counters (the reply is not awaited)
+        self._final_report()
         self._closed = True
         for pb in self._begins:
             self._abort(pb.task.manifest.generation)

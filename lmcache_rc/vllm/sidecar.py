@@ -94,7 +94,7 @@ class NonBlockingSidecar:
         self._aborts: deque[str] = deque(maxlen=4096)
         self._down_since: float | None = None
         self._refused = 0
-        """Calls refused at once during the current outage."""
+        """Lookups and stores refused at once during the current outage."""
         self.outages = 0
         """Times the connection was found down (each logged once)."""
 
@@ -126,7 +126,6 @@ class NonBlockingSidecar:
                 "lmcache-rc: lost the connection to the sidecar; requests are served without "
                 "it (recomputed, nothing stored) while it reconnects in the background"
             )
-        self._refused += 1
         self._start_reconnect()
         return False
 
@@ -166,6 +165,7 @@ class NonBlockingSidecar:
     def find_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
         """FIND, or ``Unavailable`` at once while disconnected."""
         if not self._live():
+            self._refused += 1
             raise self._down("checkpoint lookup")
         return self._client.find_async(roots)
 
@@ -177,6 +177,7 @@ class NonBlockingSidecar:
     def find_located_async(self, roots: Iterable[rc.Prefix]) -> SidecarFuture:
         """FIND_LOCATED, or ``Unavailable`` at once while disconnected."""
         if not self._live():
+            self._refused += 1
             raise self._down("checkpoint lookup")
         future: SidecarFuture = self._client.find_located_async(roots)  # type: ignore[attr-defined]
         return future
@@ -184,6 +185,7 @@ class NonBlockingSidecar:
     def begin_async(self, manifest: rc.Manifest) -> SidecarFuture:
         """BEGIN, or ``Unavailable`` at once while disconnected."""
         if not self._live():
+            self._refused += 1
             raise self._down("checkpoint store")
         return self._client.begin_async(manifest)
 

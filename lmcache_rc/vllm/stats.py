@@ -20,8 +20,10 @@ connector class's ``build_kv_connector_stats`` for its periodic log line
 same dict to the ``build_prom_metrics`` object. Only plain dicts of strings
 and numbers cross the process boundary.
 
-What it must never do: block, raise into vLLM's step, or emit anything for a
-step in which nothing changed (``is_empty``: vLLM then sends nothing).
+What it must never do: block, raise into vLLM's step, or send a counter
+that did not move (a step's payload holds only what changed in it; the
+time spent in vLLM's calls changes on every step, so in practice every step
+sends that much).
 """
 
 from __future__ import annotations
@@ -63,9 +65,14 @@ class CheckpointConnectorStats(KVConnectorStats):  # type: ignore[misc]
     """
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
-        super().__init__(data=dict(data) if data else {})
-        self.data.setdefault(_COUNTERS, {})
-        self.data.setdefault(_GAUGES, {})
+        data = data or {}
+        # copies: folding must never change the payload it was built from
+        super().__init__(
+            data={
+                _COUNTERS: dict(data.get(_COUNTERS) or {}),
+                _GAUGES: dict(data.get(_GAUGES) or {}),
+            }
+        )
 
     @property
     def counters(self) -> dict[str, int]:

@@ -79,6 +79,12 @@ __all__ = ["GroupInfo", "UpstreamScheduler", "cdiv"]
 logger = logging.getLogger(__name__)
 
 
+OWN_STORE_WAIT = 2.0
+"""Seconds at most a lookup waits for a store of this engine to be
+published (a store stuck behind a full sidecar does not hold the request
+longer; it goes on with a FIND then)."""
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ``a`` by positive ``b``."""
     return -(-a // b)
@@ -358,22 +364,26 @@ class UpstreamScheduler(TaskBook[_Task]):
         pending += [t for t in self._tasks.values() if t.direction == "STORE"]
         if not pending:
             return None
-        namespace = self._negotiation.namespace(request.cache_salt)
-        tokens: Sequence[int] | None = None
         best: _Task | None = None
-        for task in pending:
-            prefix = task.manifest.prefix
-            n = int(prefix.num_tokens)
-            if not num_computed < n <= limit or prefix.namespace != namespace:
-                continue
-            if best is not None and n <= best.manifest.prefix.num_tokens:
-                continue
-            if tokens is None:
-                tokens = list(request.all_token_ids)
-            if tuple(tokens[prefix.start_tokens : n]) != prefix.tail_tokens:
-                continue  # cheap: most candidates part in their last chunk
-            if self._roots(request, n).prefix(n) == prefix:
-                best = task
+        try:
+            namespace = self._negotiation.namespace(request.cache_salt)
+            tokens: Sequence[int] | None = None
+            for task in pending:
+                prefix = task.manifest.prefix
+                n = int(prefix.num_tokens)
+                if not num_computed < n <= limit or prefix.namespace != namespace:
+                    continue
+                if best is not None and n <= best.manifest.prefix.num_tokens:
+                    continue
+                if tokens is None:
+                    tokens = list(request.all_token_ids)
+                if tuple(tokens[prefix.start_tokens : n]) != prefix.tail_tokens:
+                    continue  # cheap: most candidates part in their last chunk
+                if self._roots(request, n).prefix(n) == prefix:
+                    best = task
+        except Exception as e:  # a request that cannot be keyed waits for nothing
+            logger.debug("own-store check of %s failed: %s", request.request_id, e)
+            return None
         return best
 
     def _await_store(
@@ -387,7 +397,7 @@ class UpstreamScheduler(TaskBook[_Task]):
         assert task is not None
         waited = self._clock() - restore.started
         if task.committed is None:
-            if waited < self._lookup_timeout:
+            if waited < min(self._lookup_timeout, OWN_STORE_WAIT):
                 return None, False
             self._counters["lookup_own_store_timeout"] += 1
         restore.awaited = None

@@ -103,9 +103,15 @@ impl Drop for Locked<'_> {
     }
 }
 
-/// Performs the side effects queued in the state, outside its lock.
+/// Performs the side effects queued in the state, outside its lock: a
+/// first round that may evict from L2, then rounds that write what the
+/// deletes of the round before made room for (none evicts, so each needs
+/// deletes of its own to ask for another: the loop ends).
 pub(super) fn flush(inner: &Arc<Inner>) {
-    flush_once(inner, true);
+    let mut may_evict = true;
+    while flush_once(inner, may_evict) {
+        may_evict = false;
+    }
 }
 
 /// One round of side effects. When L2 is full, the first round evicts L2
@@ -113,7 +119,8 @@ pub(super) fn flush(inner: &Arc<Inner>) {
 /// A write that finds L2 full while deletes are queued or running (their
 /// bytes still charged) waits for them rather than being skipped
 /// (`l2_skipped_full` counts only writes no delete can make room for).
-fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
+/// Returns whether another round should write what waited for room.
+fn flush_once(inner: &Arc<Inner>, may_evict: bool) -> bool {
     let mut evicted = false;
     let (writes, deletes, durable, retire, loads, fetches, uploads) = {
         let mut st = inner.state.state.lock();
@@ -150,8 +157,16 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
                     .filter_map(|k| st.objects.get(k))
                     .map(|o| charge(inner, o.page_bytes))
                     .sum();
+                // bytes of files being deleted are still charged: they are
+                // room already made, not room to evict for again
+                let freeing: u64 = st
+                    .deleting
+                    .keys()
+                    .map(|k| l2.charged_bytes_of(k).unwrap_or(0))
+                    .sum();
                 let free = l2.capacity().map_or(u64::MAX, |cap| {
                     cap.saturating_sub(l2.used_bytes() + l2.reserved_bytes())
+                        .saturating_add(freeing)
                 });
                 evicted = st.evict_l2(need.saturating_sub(free), &waiting, |k| {
                     l2.charged_bytes_of(k).unwrap_or(0)
@@ -233,11 +248,9 @@ fn flush_once(inner: &Arc<Inner>, may_evict: bool) {
     for (key, offset, len) in writes {
         submit_write(inner, key, offset, len, 0);
     }
-    if evicted || waiting_writes {
-        // The evicted (or reclaimed) files are deleted now: write what
-        // waited for space. That round evicts nothing, so this ends.
-        flush_once(inner, false);
-    }
+    // The evicted (or reclaimed) files are deleted now: another round
+    // writes what waited for space.
+    evicted || waiting_writes
 }
 
 /// The bytes an object of `page_bytes` takes in L2 (see [`L2Tier::charge`]).
